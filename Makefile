@@ -1,0 +1,33 @@
+# The two quickstart commands: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ucm-installed
+
+.PHONY: install demo test quick lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# pip brings CUDA builds of these; they break transformers on the CPU build.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ucm demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ucm tests
+	$(VENV)/bin/ruff format --check ucm tests
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest tests
+
+quick: $(STAMP)
+	$(PY) -m pytest tests -m "not engine"
+
+clean:
+	rm -rf $(VENV) .demo

@@ -1,0 +1,203 @@
+"""ucm on a real vLLM engine: token-identical outputs, counted hits, a negative control.
+
+Every engine runs in a fresh process on a model built at test time. Warm prompts run
+after ``reset_prefix_cache()``, so every cached token they report came from ucm.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.workload import Workload, documents_workload
+from ucm.testing.engine import EngineSpec, Phase, finish_engine, run_engine, start_engine
+from ucm.testing.model import TINY, build_model
+
+pytestmark = pytest.mark.engine
+
+WORKLOAD = documents_workload()
+HEADER_BYTES = 48
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_root: Path) -> str:
+    return str(build_model(TINY, models_root))
+
+
+@pytest.fixture(scope="session")
+def reference(
+    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[int], list[list[int]]]:
+    """Outputs of the warm prompts without any connector, per block size."""
+    cache: dict[int, list[list[int]]] = {}
+
+    def outputs(block_size: int) -> list[list[int]]:
+        if block_size not in cache:
+            spec = EngineSpec(tiny_model, [Phase(WORKLOAD.warm)], block_size=block_size)
+            workdir = tmp_path_factory.mktemp(f"reference-{block_size}")
+            cache[block_size] = run_engine(spec, workdir)[0].outputs
+        return cache[block_size]
+
+    return outputs
+
+
+def tiers(kind: str, store: Path) -> list[dict[str, Any]]:
+    chosen = {
+        "dram": [{"backend": "dram", "capacity": "64MiB"}],
+        "posix": [{"backend": "posix", "path": str(store), "capacity": "256MiB"}],
+    }
+    return [tier for name in kind.split("+") for tier in chosen[name]]
+
+
+def ucm(kind: str, store: Path, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"tiers": tiers(kind, store)},
+        **extra,
+    }
+
+
+def assert_exact_with_hits(
+    outputs: list[list[int]], cached: list[int], reference: list[list[int]], block_size: int
+) -> None:
+    assert outputs == reference
+    assert cached == WORKLOAD.expected_loaded(block_size)
+    assert all(tokens > 0 for tokens in cached)
+
+
+def cold_then_warm() -> list[Phase]:
+    return [Phase(WORKLOAD.cold), Phase(WORKLOAD.warm, reset_before_each=True)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "block_size"),
+    [("dram", 32), ("posix", 32), ("dram+posix", 32), ("dram+posix", 128)],
+)
+def test_same_engine_after_prefix_cache_reset(
+    kind: str, block_size: int, tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    spec = EngineSpec(tiny_model, cold_then_warm(), block_size, ucm(kind, tmp_path / "store"))
+    warm = run_engine(spec, tmp_path / "engine")[1]
+    assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(block_size), block_size)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "writer_role", "reader_role"),
+    [
+        (32, "kv_both", "kv_both"),
+        (128, "kv_producer", "kv_consumer"),
+    ],
+)
+def test_fresh_process_reads_what_another_saved(
+    block_size: int,
+    writer_role: str,
+    reader_role: str,
+    tiny_model: str,
+    reference: Any,
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    # The writer asks the cold prompts twice: the second time a loading role would hit.
+    writer = EngineSpec(
+        tiny_model,
+        [Phase(WORKLOAD.cold), Phase(WORKLOAD.cold, reset_before_each=True)],
+        block_size,
+        ucm("posix", store, writer_role),
+        env={"PYTHONHASHSEED": "1"},
+    )
+    again = run_engine(writer, tmp_path / "writer")[1]
+    loads = writer_role != "kv_producer"
+    assert all((tokens > 0) == loads for tokens in again.cached_tokens)
+    stored = sorted(store.rglob("*.blk"))
+    assert stored
+    reader = EngineSpec(
+        tiny_model,
+        [Phase(WORKLOAD.warm, reset_before_each=True)],
+        block_size,
+        ucm("posix", store, reader_role),
+        env={"PYTHONHASHSEED": "2"},
+    )
+    warm = run_engine(reader, tmp_path / "reader")[0]
+    assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(block_size), block_size)
+    if reader_role == "kv_consumer":
+        assert sorted(store.rglob("*.blk")) == stored  # A consumer never saves.
+
+
+def test_two_live_engines_share_one_directory(
+    tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    store, done = tmp_path / "store", tmp_path / "writer-done"
+    writer = EngineSpec(
+        tiny_model,
+        [Phase(WORKLOAD.cold, signal=str(done))],
+        kv_transfer_config=ucm("dram+posix", store),
+    )
+    reader = EngineSpec(
+        tiny_model,
+        [Phase(WORKLOAD.warm, reset_before_each=True, wait_for=str(done))],
+        kv_transfer_config=ucm("dram+posix", store),
+    )
+    # The reader starts (and scans the store) before the writer has saved anything.
+    procs = [start_engine(writer, tmp_path / "w"), start_engine(reader, tmp_path / "r")]
+    finish_engine(procs[0], tmp_path / "w")
+    warm = finish_engine(procs[1], tmp_path / "r")[0]
+    assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(32), 32)
+
+
+def test_negative_control_corrupted_kv_changes_outputs(
+    tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    run_engine(
+        EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, ucm("posix", store)), tmp_path / "writer"
+    )
+    rng = random.Random(0)
+    blocks = sorted(store.rglob("*.blk"))
+    assert blocks
+    for path in blocks:
+        with path.open("r+b") as handle:
+            size = path.stat().st_size - HEADER_BYTES
+            handle.seek(HEADER_BYTES)
+            handle.write(rng.randbytes(size))
+    reader = EngineSpec(
+        tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, ucm("posix", store)
+    )
+    warm = run_engine(reader, tmp_path / "reader")[0]
+    assert warm.cached_tokens == WORKLOAD.expected_loaded(32)
+    assert warm.outputs != reference(32), "corrupted KV went unnoticed: the check cannot fail"
+
+
+def test_exact_under_platform_wrapper(tiny_model: str, reference: Any, tmp_path: Path) -> None:
+    transfer = ucm(
+        "dram+posix",
+        tmp_path / "store",
+        kv_connector="UCMConnectorV1",
+        kv_connector_module_path="ucm.testing.platform_wrapper",
+    )
+    warm = run_engine(EngineSpec(tiny_model, cold_then_warm(), 32, transfer), tmp_path / "e")[1]
+    assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(32), 32)
+
+
+def test_exact_with_scheduler_and_worker_in_separate_processes(
+    tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    spec = EngineSpec(
+        tiny_model,
+        cold_then_warm(),
+        32,
+        ucm("dram", tmp_path / "store"),
+        multiprocessing=True,
+    )
+    warm = run_engine(spec, tmp_path / "engine")[1]
+    assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(32), 32)
+
+
+def test_workload_expectations_are_not_trivial() -> None:
+    workload: Workload = WORKLOAD
+    assert workload.expected_loaded(32) == [320, 320, 288, 288]
+    assert workload.expected_loaded(128) == [256, 256, 256, 256]

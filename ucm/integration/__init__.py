@@ -1,0 +1,1 @@
+"""Integrations of ucm with serving engines."""

@@ -1,0 +1,1 @@
+"""ucm's vLLM V1 KV connector (``kv_connector="UCMConnector"``)."""

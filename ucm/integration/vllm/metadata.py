@@ -1,0 +1,55 @@
+"""The message the scheduler half sends the worker half every step.
+
+It is a plain dataclass of lists (no tensors, no callables) so that vLLM can
+serialize it between the scheduler process and the worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ucm.store.base import BlockKey
+
+
+@dataclass
+class BlockLoad:
+    """Load one block from a tier into the paged KV buffer."""
+
+    block_id: int
+    """Destination block in vLLM's paged buffer."""
+    key: BlockKey
+    """The block's key (the worker derives its shard key from it)."""
+    tier: int
+    """Index of the tier to read first; the worker falls back to the other tiers."""
+    promote_to: tuple[int, ...] = ()
+    """Tiers to copy the block into once it has been read."""
+
+
+@dataclass
+class BlockSave:
+    """Save one block from the paged KV buffer into tiers."""
+
+    block_id: int
+    """Source block in vLLM's paged buffer."""
+    key: BlockKey
+    """The block's key."""
+    tiers: tuple[int, ...]
+    """Indices of the tiers to write."""
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    """Everything the worker half does in one step, in the order it does it."""
+
+    evictions: dict[int, list[BlockKey]] = field(default_factory=dict)
+    """Per tier, keys to delete before anything else (tiers the scheduler manages)."""
+    loads: list[BlockLoad] = field(default_factory=list)
+    """Blocks to load before the forward pass."""
+    saves: list[BlockSave] = field(default_factory=list)
+    """Blocks to save once the forward pass has written them."""
+
+    def is_empty(self) -> bool:
+        """Return whether the step has nothing for the worker to do."""
+        return not (self.evictions or self.loads or self.saves)

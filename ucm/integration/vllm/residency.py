@@ -1,0 +1,106 @@
+"""Scheduler-side knowledge of which blocks each tier holds.
+
+The worker half owns the data; the scheduler half decides what goes where. For a
+tier that only this engine writes (``dram``), the scheduler keeps an exact mirror of
+its contents and decides its evictions, which the worker then carries out. For a
+tier shared with other processes (``posix``), the scheduler asks the store itself.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ucm.keys import shard_key
+from ucm.store.base import Backend, BlockKey
+
+
+class TierView(abc.ABC):
+    """What the scheduler knows of one tier."""
+
+    @abc.abstractmethod
+    def contains(self, key: BlockKey) -> bool:
+        """Return whether every shard of the block is stored in the tier."""
+
+    @abc.abstractmethod
+    def admit(self, key: BlockKey, step: int) -> bool:
+        """Record that the block will be written in ``step``.
+
+        Args:
+            key: The block's key.
+            step: The current scheduler step.
+
+        Returns:
+            Whether the block should be written to this tier.
+        """
+
+    def touch(self, key: BlockKey, step: int) -> None:  # noqa: B027 - optional hook
+        """Record that the block is read in ``step`` (it must survive this step)."""
+
+    def take_evictions(self) -> list[BlockKey]:
+        """Return and forget the keys the worker must delete from this tier."""
+        return []
+
+
+class MirroredTier(TierView):
+    """An exact LRU mirror of a tier that only this engine's workers write.
+
+    The scheduler decides every eviction; a block used in the current step is never
+    evicted, so a step that needs more room than that leaves new blocks out instead.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self._capacity = capacity_blocks
+        self._last_used: OrderedDict[BlockKey, int] = OrderedDict()
+        self._evicted: list[BlockKey] = []
+
+    def contains(self, key: BlockKey) -> bool:
+        """Return whether the block is in the tier."""
+        return key in self._last_used
+
+    def touch(self, key: BlockKey, step: int) -> None:
+        """Mark the block most recently used and pin it for ``step``."""
+        if key in self._last_used:
+            self._last_used[key] = step
+            self._last_used.move_to_end(key)
+
+    def admit(self, key: BlockKey, step: int) -> bool:
+        """Make room for the block by evicting least recently used ones, if possible."""
+        if key in self._last_used:
+            self.touch(key, step)
+            return False
+        while len(self._last_used) >= self._capacity:
+            oldest, last_step = next(iter(self._last_used.items()))
+            if last_step >= step:
+                return False
+            del self._last_used[oldest]
+            self._evicted.append(oldest)
+        if self._capacity <= 0:
+            return False
+        self._last_used[key] = step
+        return True
+
+    def take_evictions(self) -> list[BlockKey]:
+        """Return the keys evicted since the last call."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+
+class SharedTier(TierView):
+    """A tier that other processes write too: the scheduler asks the store."""
+
+    def __init__(self, backend: Backend, num_shards: int) -> None:
+        self._backend = backend
+        self._num_shards = num_shards
+
+    def contains(self, key: BlockKey) -> bool:
+        """Return whether every rank's shard of the block is stored."""
+        shards: Sequence[BlockKey] = [
+            shard_key(key, shard, self._num_shards) for shard in range(self._num_shards)
+        ]
+        return all(self._backend.lookup(shards))
+
+    def admit(self, key: BlockKey, step: int) -> bool:
+        """Write every block: the store keeps itself within its capacity."""
+        return True

@@ -1,0 +1,201 @@
+"""The scheduler half of the connector: lookup, placement and per-step metadata.
+
+It never touches tensors. For each request it computes block keys, finds the longest
+stored prefix across the tiers, tells vLLM how many tokens can be loaded, and each
+step tells the worker half which blocks to load, which to save and where, and which
+blocks to evict from the tiers it manages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+from ucm.config import UCMConfig
+from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
+from ucm.integration.vllm.model_info import estimated_block_bytes, key_space, num_shards
+from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView
+from ucm.keys import KeyChain, request_root
+from ucm.store.base import BlockKey
+from ucm.store.registry import backend_class
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    chain: KeyChain
+    block_ids: list[int] = field(default_factory=list)
+    hit_tiers: list[int] = field(default_factory=list)
+    """Tier of each leading stored block, as found by the last lookup."""
+    lookup_computed_tokens: int = 0
+    """Tokens vLLM had computed locally at the last lookup."""
+    num_saved_blocks: int = 0
+    """Leading blocks that are stored or need no saving."""
+    pending_load: range | None = None
+    """Block indices to load in the next step."""
+
+
+class UCMScheduler:
+    """Scheduler-side state and decisions of :class:`UCMConnector`."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: UCMConfig,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> None:
+        """Build the tier views and the key space.
+
+        Args:
+            vllm_config: The engine's configuration.
+            config: ucm's parsed configuration.
+            kv_cache_config: vLLM's KV cache layout, when the connector was given it.
+        """
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._load_enabled = transfer.is_kv_consumer
+        self._save_enabled = transfer.is_kv_producer
+        self._root = key_space(vllm_config, config).root()
+        block_bytes = estimated_block_bytes(vllm_config, kv_cache_config)
+        self._tiers: list[TierView] = []
+        for tier in config.tiers:
+            cls = backend_class(tier.backend)
+            if cls.capabilities.shared:
+                self._tiers.append(SharedTier(cls.from_tier(tier), num_shards(vllm_config)))
+            else:
+                self._tiers.append(MirroredTier(tier.capacity // block_bytes))
+        self._requests: dict[str, _RequestState] = {}
+        self._steps = itertools.count(1)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Return how many tokens beyond ``num_computed_tokens`` ucm can load.
+
+        Only whole blocks are offered, and never the last prompt token (vLLM must
+        compute at least one token to produce logits).
+        """
+        state = self._state(request)
+        if state is None or not self._load_enabled:
+            return 0, False
+        keys = state.chain.extend(request.all_token_ids)
+        max_blocks = min(len(keys), (request.num_tokens - 1) // self._block_size)
+        hit_tiers: list[int] = []
+        for key in keys[:max_blocks]:
+            tier = next((t for t, view in enumerate(self._tiers) if view.contains(key)), None)
+            if tier is None:
+                break
+            hit_tiers.append(tier)
+        state.hit_tiers = hit_tiers
+        state.lookup_computed_tokens = num_computed_tokens
+        state.num_saved_blocks = max(state.num_saved_blocks, len(hit_tiers))
+        hit_tokens = len(hit_tiers) * self._block_size
+        return max(hit_tokens - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the blocks vLLM allocated for the external tokens."""
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        state.block_ids = list(blocks.get_block_ids()[0])
+        first = state.lookup_computed_tokens // self._block_size
+        count = -(-num_external_tokens // self._block_size)
+        if first + count > len(state.hit_tiers) or first + count > len(state.block_ids):
+            logger.warning("ucm: dropping inconsistent load plan for %s", request.request_id)
+            return
+        state.pending_load = range(first, first + count)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UCMConnectorMetadata:
+        """Turn this step's decisions into the worker half's instructions."""
+        step = next(self._steps)
+        meta = UCMConnectorMetadata()
+        for state in self._requests.values():
+            if state.pending_load is not None:
+                meta.loads.extend(self._plan_load(state, state.pending_load, step))
+                state.pending_load = None
+        if self._save_enabled:
+            meta.saves.extend(self._plan_saves(scheduler_output, step))
+        for index, view in enumerate(self._tiers):
+            evicted = view.take_evictions()
+            if evicted:
+                meta.evictions[index] = evicted
+        return meta
+
+    def request_finished(self, request: Request) -> None:
+        """Forget a finished request (its saves completed within its steps)."""
+        self._requests.pop(request.request_id, None)
+
+    def _state(self, request: Request) -> _RequestState | None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            if request.mm_features or request.prompt_embeds is not None:
+                return None  # Multimodal and embedding inputs are not keyed by tokens alone.
+            extra = []
+            if request.lora_request is not None:
+                extra.append(f"lora:{request.lora_request.lora_name}")
+            if request.cache_salt:
+                extra.append(f"salt:{request.cache_salt}")
+            chain = KeyChain(request_root(self._root, extra), self._block_size)
+            state = self._requests[request.request_id] = _RequestState(request, chain)
+        return state
+
+    def _plan_load(self, state: _RequestState, indices: range, step: int) -> list[BlockLoad]:
+        loads = []
+        for index in indices:
+            key = state.chain.keys[index]
+            source = state.hit_tiers[index]
+            self._tiers[source].touch(key, step)
+            promote = tuple(t for t in range(source) if self._tiers[t].admit(key, step))
+            loads.append(BlockLoad(state.block_ids[index], key, source, promote))
+        return loads
+
+    def _plan_saves(self, output: SchedulerOutput, step: int) -> list[BlockSave]:
+        progress: list[tuple[str, int]] = []
+        for new in output.scheduled_new_reqs:
+            if (state := self._requests.get(new.req_id)) is not None:
+                state.block_ids = list(new.block_ids[0])
+                progress.append((new.req_id, new.num_computed_tokens))
+        cached = output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            if (state := self._requests.get(req_id)) is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            progress.append((req_id, cached.num_computed_tokens[index]))
+        saves: list[BlockSave] = []
+        planned: set[BlockKey] = set()
+        for req_id, computed in progress:
+            state = self._requests[req_id]
+            drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+            done = computed + output.num_scheduled_tokens.get(req_id, 0) - drafts
+            tokens = state.request.all_token_ids
+            full = min(done, len(tokens), len(state.block_ids) * self._block_size)
+            keys = state.chain.extend(tokens[: full - full % self._block_size])
+            for index in range(state.num_saved_blocks, len(keys)):
+                key = keys[index]
+                if key in planned:
+                    continue  # Requests sharing a prefix computed the same block this step.
+                planned.add(key)
+                tiers = tuple(t for t, view in enumerate(self._tiers) if view.admit(key, step))
+                if tiers:
+                    saves.append(BlockSave(state.block_ids[index], key, tiers))
+            state.num_saved_blocks = max(state.num_saved_blocks, len(keys))
+        return saves

@@ -1,0 +1,163 @@
+"""``UCMConnector``: vLLM's V1 KV connector for ucm, a thin facade dispatching by role.
+
+The scheduler role builds :class:`~ucm.integration.vllm.scheduler.UCMScheduler`
+(lookup, placement, per-step metadata; never touches tensors); the worker role
+builds :class:`~ucm.integration.vllm.worker.UCMWorker` (moves blocks; never decides
+eviction). Saves complete within the step that computed the blocks, so
+``request_finished`` never holds blocks back, which keeps ucm exact and leak-free
+also under platform wrappers that forward only part of this interface.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from ucm.config import parse_config
+from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import UCMScheduler
+from ucm.integration.vllm.worker import UCMWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class UCMConnector(KVConnectorBase_V1):
+    """Persistent, shared KV-cache tiers (DRAM, local disk, NFS) for vLLM."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        """Parse ucm's settings and build the half of the connector for ``role``.
+
+        Args:
+            vllm_config: The engine's configuration; ucm's settings are its
+                ``kv_transfer_config.kv_connector_extra_config``.
+            role: Scheduler or worker.
+            kv_cache_config: vLLM's KV cache layout (platform wrappers may omit it).
+
+        Raises:
+            ucm.config.ConfigError: A setting is wrong.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: UCMScheduler | None = None
+        self._worker: UCMWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = UCMScheduler(vllm_config, config, kv_cache_config)
+        else:
+            self._worker = UCMWorker(vllm_config, config, kv_cache_config)
+
+    # ---- worker side -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take the paged KV tensors (found lazily when a wrapper never calls this)."""
+        self._worker_half().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Accept the scheduler half's instructions for this step."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, UCMConnectorMetadata)
+        self._worker_half().bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        """Drop this step's instructions."""
+        super().clear_connector_metadata()
+        self._worker_half().clear()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Load this step's blocks into the paged buffer; a failure becomes a load error."""
+        worker = self._worker_half()
+        try:
+            worker.start_load_kv()
+        except Exception:  # noqa: BLE001 - fault barrier: a bad load must mean recompute
+            logger.exception("ucm: loading KV failed; the blocks will be reported as errors")
+            worker.fail_pending_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return at once: every load of the step finished in ``start_load_kv``."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: Any,
+        **kwargs: Any,
+    ) -> None:
+        """Copy the layer's pages of the blocks being saved out of the paged buffer."""
+        try:
+            self._worker_half().save_kv_layer(layer_name)
+        except Exception:  # noqa: BLE001 - fault barrier: a failed save is a future miss
+            logger.exception("ucm: copying KV of %s failed; this step saves nothing", layer_name)
+            self._worker_half().clear()
+
+    def wait_for_save(self) -> None:
+        """Write this step's saved blocks to their tiers."""
+        try:
+            self._worker_half().wait_for_save()
+        except Exception:  # noqa: BLE001 - fault barrier: a failed save is a future miss
+            logger.exception("ucm: saving KV failed; this step saves nothing")
+            self._worker_half().clear()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report no asynchronous transfers: every transfer ends within its step."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Return the blocks whose load failed since the last call."""
+        return self._worker_half().take_load_errors()
+
+    def shutdown(self) -> None:
+        """Close the tiers."""
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- scheduler side ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Return how many more prompt tokens ucm can load for ``request``."""
+        return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load into the blocks vLLM just allocated."""
+        self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Build this step's instructions for the worker half."""
+        return self._scheduler_half().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its blocks may be freed at once."""
+        self._scheduler_half().request_finished(request)
+        return False, None
+
+    def _scheduler_half(self) -> UCMScheduler:
+        assert self._scheduler is not None, "scheduler-side method called on a worker"
+        return self._scheduler
+
+    def _worker_half(self) -> UCMWorker:
+        assert self._worker is not None, "worker-side method called on the scheduler"
+        return self._worker

@@ -1,0 +1,181 @@
+"""The storage backend interface every ucm tier implements.
+
+A backend maps fixed keys (:data:`BlockKey`) to opaque byte payloads. Callers own
+all memory: ``dump`` copies out of caller buffers and ``load`` copies into them, so
+a backend never allocates the payload a caller ends up holding. Transfers return a
+:class:`Task` so that a backend may run them asynchronously; a backend that works
+synchronously returns an already finished task.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, NewType
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from ucm.config import TierConfig
+
+BlockKey = NewType("BlockKey", bytes)
+"""A content key: the digest that names one stored block (see :mod:`ucm.keys`)."""
+
+Buffer = memoryview
+"""Caller-owned, C-contiguous, byte-addressable memory (``memoryview`` of format ``B``)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared instead of raising ``NotImplementedError``."""
+
+    persistent: bool
+    """Stored blocks survive the process that wrote them."""
+    shared: bool
+    """Several processes may read and write the same store at once."""
+    supports_delete: bool = True
+    """``delete`` removes blocks (otherwise it is a no-op)."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A snapshot of how full a backend is."""
+
+    used_bytes: int
+    """Payload bytes currently stored (as far as this process knows)."""
+    capacity_bytes: int
+    """The configured byte capacity."""
+    num_blocks: int
+    """Number of blocks currently stored (as far as this process knows)."""
+
+
+class Task(abc.ABC):
+    """A handle on a batch transfer: one result per key, in request order."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Return whether the transfer has finished, without blocking."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> list[bool]:
+        """Block until the transfer finishes.
+
+        Args:
+            timeout: Seconds to wait at most; ``None`` waits for ever.
+
+        Returns:
+            For each key of the batch, whether it was transferred completely.
+
+        Raises:
+            TimeoutError: The transfer did not finish within ``timeout``.
+        """
+
+
+class CompletedTask(Task):
+    """A task that finished when it was created (for synchronous backends)."""
+
+    def __init__(self, results: list[bool]) -> None:
+        self._results = results
+
+    def done(self) -> bool:
+        """Return True: the transfer already finished."""
+        return True
+
+    def wait(self, timeout: float | None = None) -> list[bool]:
+        """Return the per-key results at once."""
+        return list(self._results)
+
+
+class Backend(abc.ABC):
+    """One storage tier: a bounded map from :data:`BlockKey` to payload bytes.
+
+    Implementations must be thread-safe. A missing key is never an error: ``lookup``
+    answers False and ``load`` reports False for it. Storage faults during a
+    transfer are reported per key as False, never raised, so that callers can
+    fall back to recomputation.
+    """
+
+    capabilities: ClassVar[Capabilities]
+    """What this backend supports."""
+    option_types: ClassVar[Mapping[str, type]] = {}
+    """Tier settings this backend accepts beyond ``backend`` and ``capacity``, with their
+    types; the config parser rejects any other key."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_tier(cls, tier: TierConfig) -> Self:
+        """Build the backend from its validated tier configuration.
+
+        Args:
+            tier: The tier's settings; ``tier.options`` holds only keys of ``option_types``.
+        """
+
+    @abc.abstractmethod
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Report which keys are stored.
+
+        Args:
+            keys: The keys to check.
+
+        Returns:
+            One flag per key, True where the key is stored.
+        """
+
+    def lookup_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Return how many leading keys are all stored.
+
+        Args:
+            keys: Keys of consecutive blocks, in prefix order.
+
+        Returns:
+            The length of the longest prefix of ``keys`` that is stored.
+        """
+        for index, hit in enumerate(self.lookup(keys)):
+            if not hit:
+                return index
+        return len(keys)
+
+    @abc.abstractmethod
+    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+        """Copy stored payloads into caller-owned buffers.
+
+        Args:
+            keys: The keys to read.
+            buffers: One writable buffer per key; each must be exactly the size
+                of the stored payload, otherwise that key fails.
+
+        Returns:
+            A task whose result says, per key, whether its buffer was filled.
+        """
+
+    @abc.abstractmethod
+    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+        """Store payloads copied from caller-owned buffers.
+
+        A key that is already stored keeps its payload (blocks are immutable:
+        equal keys mean equal contents). The caller may reuse the buffers once
+        the task is done.
+
+        Args:
+            keys: The keys to write.
+            buffers: One buffer per key holding its payload.
+
+        Returns:
+            A task whose result says, per key, whether it is now stored.
+        """
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove keys; keys that are not stored are ignored.
+
+        Args:
+            keys: The keys to remove.
+        """
+
+    @abc.abstractmethod
+    def usage(self) -> Usage:
+        """Return how full the backend is."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release resources; the backend must not be used afterwards."""

@@ -1,0 +1,153 @@
+"""The ``dram`` backend: a bounded, in-process pool of CPU memory with LRU eviction.
+
+Each block is one ``bytearray``; blocks live only as long as the process. The pool
+never holds more payload bytes than its capacity and evicts the least recently used
+blocks (a load or a repeated dump counts as a use) to make room for new ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from ucm.store.base import Backend, BlockKey, Buffer, Capabilities, CompletedTask, Task, Usage
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from ucm.config import TierConfig
+
+
+class DramBackend(Backend):
+    """A thread-safe LRU pool of CPU memory holding at most ``capacity_bytes`` of payload."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(persistent=False, shared=False)
+    option_types: ClassVar[Mapping[str, type]] = {}
+
+    def __init__(self, capacity_bytes: int) -> None:
+        """Create an empty pool.
+
+        Args:
+            capacity_bytes: The most payload bytes the pool holds at once.
+
+        Raises:
+            ValueError: ``capacity_bytes`` is negative.
+        """
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+        self._blocks: OrderedDict[BlockKey, bytearray] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_tier(cls, tier: TierConfig) -> Self:
+        """Build the pool from its tier configuration (it takes no options).
+
+        Args:
+            tier: The tier's settings; only ``tier.capacity`` is used.
+        """
+        return cls(tier.capacity)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Report which keys are in the pool, without counting it as a use.
+
+        Args:
+            keys: The keys to check.
+
+        Returns:
+            One flag per key, True where the key is stored.
+        """
+        with self._lock:
+            return [key in self._blocks for key in keys]
+
+    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+        """Copy stored payloads straight into the caller's buffers.
+
+        Args:
+            keys: The keys to read.
+            buffers: One writable buffer per key, exactly the size of its payload.
+
+        Returns:
+            A finished task: per key, whether its buffer was filled.
+        """
+        results = []
+        for key, dst in zip(keys, buffers, strict=True):
+            with self._lock:
+                block = self._blocks.get(key)
+                if block is not None and len(block) == dst.nbytes:
+                    self._blocks.move_to_end(key)
+            if block is None or len(block) != dst.nbytes:
+                results.append(False)
+                continue
+            # Stored blocks are never mutated, so copying outside the lock is safe.
+            dst.cast("B")[:] = block
+            results.append(True)
+        return CompletedTask(results)
+
+    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+        """Copy payloads into the pool, evicting least recently used blocks to make room.
+
+        Args:
+            keys: The keys to write; a key already stored only counts as a use.
+            buffers: One buffer per key holding its payload.
+
+        Returns:
+            A finished task: per key, whether it is now stored (False for a payload
+            larger than the whole pool, which evicts nothing).
+        """
+        return CompletedTask(
+            [self._dump_one(key, src) for key, src in zip(keys, buffers, strict=True)]
+        )
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove keys from the pool; keys that are not stored are ignored.
+
+        Args:
+            keys: The keys to remove.
+        """
+        with self._lock:
+            for key in keys:
+                block = self._blocks.pop(key, None)
+                if block is not None:
+                    self._used -= len(block)
+
+    def usage(self) -> Usage:
+        """Return the exact payload bytes and number of blocks held."""
+        with self._lock:
+            return Usage(
+                used_bytes=self._used, capacity_bytes=self._capacity, num_blocks=len(self._blocks)
+            )
+
+    def close(self) -> None:
+        """Drop every block and release the memory."""
+        with self._lock:
+            self._blocks.clear()
+            self._used = 0
+
+    def _dump_one(self, key: BlockKey, src: Buffer) -> bool:
+        size = src.nbytes
+        if size > self._capacity:
+            return False
+        if self._touch(key):
+            return True
+        block = bytearray(src)  # Copied outside the lock; inserted under it.
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                return True
+            while self._used + size > self._capacity:
+                _, evicted = self._blocks.popitem(last=False)
+                self._used -= len(evicted)
+            self._blocks[key] = block
+            self._used += size
+        return True
+
+    def _touch(self, key: BlockKey) -> bool:
+        with self._lock:
+            if key not in self._blocks:
+                return False
+            self._blocks.move_to_end(key)
+            return True

@@ -1,0 +1,299 @@
+"""The ``posix`` backend: one file per block in a directory shared by many processes.
+
+Blocks live at ``root/v1/<first 3 hex digits>/<hex key>.blk``: a 48-byte header (magic
+``UCMB``, format version, key length, payload length, key zero-padded to 32 bytes), then
+the payload. Blocks are written to a private ``.tmp`` file and renamed into place, so
+other processes see whole blocks or none. Reads are checked against the header and the
+file size; a mismatch is a miss and removes the damaged file. Each process evicts the
+least recently used blocks it knows of to stay within its capacity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from ucm.store.base import Backend, BlockKey, Buffer, Capabilities, CompletedTask, Task, Usage
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from ucm.config import TierConfig
+
+MAX_KEY_BYTES = 32
+"""The longest key a block file's header can hold."""
+_MAGIC, _VERSION = b"UCMB", 1
+_HEADER = struct.Struct(f"<4sHHQ{MAX_KEY_BYTES}s")  # Magic, version, key length, size, key.
+HEADER_BYTES = _HEADER.size
+"""Size of the header that precedes every payload (48)."""
+_STALE_TMP_SECONDS = 3600.0  # Age at which a leftover .tmp file is removed in any case.
+_HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+class PosixBackend(Backend):
+    """A directory of block files on local disk or NFS, bounded by an LRU byte capacity.
+
+    Keys are at most 32 bytes; every method raises ValueError for a longer one.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=True)
+    option_types: ClassVar[Mapping[str, type]] = {"path": str, "fsync": bool}
+
+    def __init__(self, root: Path, capacity_bytes: int, *, fsync: bool = False) -> None:
+        """Open (creating if needed) a block directory and index the blocks already in it.
+
+        Args:
+            root: The directory; blocks go under ``root/v1``.
+            capacity_bytes: The most payload bytes this process keeps in the directory.
+            fsync: Flush each block's data to stable storage before renaming it into place.
+
+        Raises:
+            ValueError: ``capacity_bytes`` is negative, or ``root`` is not a writable directory.
+        """
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
+        self._dir = Path(root) / f"v{_VERSION}"
+        try:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"posix backend: cannot create {str(root)!r}: {exc}") from exc
+        if not os.access(self._dir, os.W_OK | os.X_OK):
+            raise ValueError(f"posix backend: directory {str(root)!r} is not writable")
+        self._capacity = capacity_bytes
+        self._fsync = fsync
+        self._index: OrderedDict[BlockKey, int] = OrderedDict()  # Key -> payload size, LRU first.
+        self._used = self._reserved = 0  # Payload bytes indexed; bytes of writes in flight.
+        self._lock = threading.Lock()
+        self._scan()
+
+    @classmethod
+    def from_tier(cls, tier: TierConfig) -> Self:
+        """Build the backend from its tier configuration.
+
+        Args:
+            tier: The tier's settings; option ``path`` is required, ``fsync`` optional.
+
+        Raises:
+            ValueError: The ``path`` option is missing, or the directory is unusable.
+        """
+        if "path" not in tier.options:
+            raise ValueError("posix backend: the 'path' option is required")
+        fsync = tier.options.get("fsync") is True
+        return cls(Path(str(tier.options["path"])), tier.capacity, fsync=fsync)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Report which keys have a block file (a hit counts as a use), whoever wrote it.
+
+        Args:
+            keys: The keys to check.
+
+        Returns:
+            One flag per key, True where a block file exists.
+        """
+        return [self._stat(key) is not None for key in keys]
+
+    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+        """Read block files straight into the caller's buffers, verifying each one.
+
+        Args:
+            keys: The keys to read.
+            buffers: One writable buffer per key, exactly the size of its payload.
+
+        Returns:
+            A finished task: per key, whether its buffer was filled with a valid block.
+        """
+        return CompletedTask(
+            [self._load_one(key, dst) for key, dst in zip(keys, buffers, strict=True)]
+        )
+
+    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+        """Write blocks atomically, evicting least recently used known blocks to make room.
+
+        Args:
+            keys: The keys to write; a key whose file exists only counts as a use.
+            buffers: One buffer per key holding its payload.
+
+        Returns:
+            A finished task: per key, whether it is now stored.
+        """
+        return CompletedTask(
+            [self._dump_one(key, src) for key, src in zip(keys, buffers, strict=True)]
+        )
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove block files; missing ones (or ones that cannot be removed) are ignored.
+
+        Args:
+            keys: The keys to remove.
+        """
+        for key in keys:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(key))
+            self._forget(key)
+
+    def usage(self) -> Usage:
+        """Return the payload bytes and blocks this process knows to be in the directory."""
+        with self._lock:
+            return Usage(self._used, self._capacity, len(self._index))
+
+    def _path(self, key: BlockKey) -> Path:
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"posix backend: keys are at most {MAX_KEY_BYTES} bytes, got {key!r}")
+        name = key.hex()
+        return self._dir / name[:3] / f"{name}.blk"
+
+    def _scan(self) -> None:
+        """Index the blocks already on disk, oldest first, and remove stale ``.tmp`` files."""
+        found: list[tuple[float, BlockKey, int]] = []
+        now = time.time()
+        for entry in self._dir.glob("*/*"):
+            with contextlib.suppress(OSError, ValueError):
+                stat = entry.stat()
+                if entry.suffix == ".tmp" and _is_stale_tmp(entry.name, stat.st_mtime, now):
+                    entry.unlink()
+                elif entry.suffix == ".blk" and stat.st_size >= HEADER_BYTES:
+                    key = BlockKey(bytes.fromhex(entry.stem))
+                    if self._path(key) == entry:  # Else a stray file.
+                        found.append((stat.st_mtime, key, stat.st_size - HEADER_BYTES))
+        with self._lock:
+            for _, key, size in sorted(found):
+                self._remember(key, size)
+
+    def _stat(self, key: BlockKey) -> int | None:
+        """Return the payload size of ``key``'s file, or None; mark the key used if it exists."""
+        try:
+            size = os.stat(self._path(key)).st_size - HEADER_BYTES
+        except OSError:
+            size = -1
+        if size < 0:  # Missing, or too short to be a block.
+            self._forget(key)
+            return None
+        with self._lock:
+            self._remember(key, size)
+        return size
+
+    def _load_one(self, key: BlockKey, dst: Buffer) -> bool:
+        try:
+            with open(self._path(key), "rb", buffering=0) as file:
+                length = _read_header(file, key)
+                if length is None:  # Damaged: remove it so that it can be written again.
+                    self.delete([key])
+                    return False
+                if length != dst.nbytes or not _read_exact(file, dst.cast("B")):
+                    return False
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                self._forget(key)
+            return False
+        with self._lock:
+            self._remember(key, length)
+        return True
+
+    def _dump_one(self, key: BlockKey, src: Buffer) -> bool:
+        size = src.nbytes
+        if size > self._capacity:
+            return False
+        if self._stat(key) == size:
+            return True
+        self._forget(key)  # In case a file of another size (a damaged one) is indexed.
+        victims = []
+        with self._lock:  # Evict known blocks, then reserve room for this one.
+            while self._index and self._used + self._reserved + size > self._capacity:
+                victims.append(self._index.popitem(last=False))
+                self._used -= victims[-1][1]
+            if self._used + self._reserved + size > self._capacity:
+                return False  # Other threads' writes in flight fill the capacity.
+            self._reserved += size
+        self.delete([victim for victim, _ in victims])
+        stored = self._write(key, src)
+        with self._lock:
+            self._reserved -= size
+            if stored:
+                self._remember(key, size)
+        return stored
+
+    def _write(self, key: BlockKey, src: Buffer) -> bool:
+        path = self._path(key)
+        tmp = path.with_name(_tmp_name(key, os.getpid()))
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            # A buffered writer writes a payload larger than its buffer straight from `src`.
+            with open(tmp, "xb", opener=lambda name, flags: os.open(name, flags, 0o600)) as file:
+                file.write(_HEADER.pack(_MAGIC, _VERSION, len(key), src.nbytes, key))
+                file.write(src)
+                if self._fsync:
+                    file.flush()
+                    os.fsync(file.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
+        return True
+
+    def _remember(self, key: BlockKey, size: int) -> None:
+        """Record ``key`` as most recently used; the caller holds the lock."""
+        if key not in self._index:
+            self._index[key] = size
+            self._used += size
+        self._index.move_to_end(key)
+
+    def _forget(self, key: BlockKey) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+
+def _tmp_name(key: BlockKey, pid: int) -> str:
+    """Return a fresh temporary file name for ``key`` written by process ``pid`` here."""
+    return f"{key.hex()}.{_HOST_TAG}.{pid}.{secrets.token_hex(4)}.tmp"
+
+
+def _is_stale_tmp(name: str, mtime: float, now: float) -> bool:
+    """Return whether a temporary file is old or was left by a dead process on this host."""
+    parts = name.split(".")
+    if now - mtime > _STALE_TMP_SECONDS:
+        return True
+    if len(parts) != 5 or parts[1] != _HOST_TAG:  # Another host's pid means nothing here.
+        return False
+    try:
+        os.kill(int(parts[2]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, OverflowError):  # Alive under another user, or no pid.
+        pass
+    return False
+
+
+def _read_header(file: io.FileIO, key: BlockKey) -> int | None:
+    """Return the payload length a block file announces, or None if the file is damaged."""
+    header = bytearray(HEADER_BYTES)
+    if not _read_exact(file, memoryview(header)):
+        return None
+    length: int = _HEADER.unpack(header)[3]
+    if header != _HEADER.pack(_MAGIC, _VERSION, len(key), length, key):
+        return None
+    return length if os.fstat(file.fileno()).st_size == HEADER_BYTES + length else None
+
+
+def _read_exact(file: io.FileIO, view: memoryview) -> bool:
+    """Fill ``view`` from ``file``, resuming after short reads; False at end of file."""
+    filled = 0
+    while filled < view.nbytes:
+        count = file.readinto(view[filled:])
+        if not count:
+            return False
+        filled += count
+    return True

@@ -1,0 +1,1 @@
+"""Helpers for ucm's tests: tiny models, prompts, fixtures and backend conformance tests."""

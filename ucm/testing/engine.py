@@ -1,0 +1,173 @@
+"""Run a real vLLM engine in a fresh process from a JSON spec, for tests and the demo.
+
+Every run is its own process (``python -m ucm.testing.engine SPEC OUT``): vLLM keeps
+process-wide state, and "a fresh process reads what another saved" is exactly what
+ucm must get right. A spec lists phases; each phase generates its prompts greedily,
+one request at a time, and records the output tokens, how many prompt tokens were
+served from a cache (``num_cached_tokens``) and the time to first token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Environment every engine process runs with (offline, loopback, one process)."""
+
+
+@dataclass
+class Phase:
+    """One batch of work for the engine."""
+
+    prompts: list[list[int]]
+    """Prompt token ids; each is generated as its own request, in order."""
+    max_tokens: int = 8
+    """Tokens to generate per prompt (greedy, EOS ignored)."""
+    reset_before_each: bool = False
+    """Empty vLLM's own prefix cache before each prompt, so every cache hit is ucm's."""
+    wait_for: str | None = None
+    """A file to wait for before starting (another process's signal)."""
+    signal: str | None = None
+    """A file to create once the phase is done."""
+
+
+@dataclass
+class EngineSpec:
+    """How to start the engine and what to run on it."""
+
+    model: str
+    """Path of a local model directory."""
+    phases: list[Phase]
+    """The work, in order."""
+    block_size: int = 32
+    """vLLM's KV block size."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """vLLM's ``kv_transfer_config``; None runs without a connector."""
+    max_model_len: int = 2048
+    """Longest sequence the engine accepts."""
+    multiprocessing: bool = False
+    """Run vLLM's scheduler and worker in separate processes (production layout)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the engine process."""
+
+
+@dataclass
+class PhaseResult:
+    """What one phase produced, per prompt."""
+
+    outputs: list[list[int]]
+    """Generated token ids."""
+    cached_tokens: list[int]
+    """Prompt tokens served from a cache (vLLM's own or ucm's)."""
+    ttft_s: list[float]
+    """Seconds from submitting the prompt to its first token."""
+
+
+def run_engine(spec: EngineSpec, workdir: Path, timeout: float = 600) -> list[PhaseResult]:
+    """Run the spec in a fresh process and return its results.
+
+    Args:
+        spec: What to run.
+        workdir: A directory for the spec and result files.
+        timeout: Seconds before the process is killed.
+
+    Returns:
+        One result per phase.
+
+    Raises:
+        RuntimeError: The engine process failed; the message holds its output's tail.
+    """
+    proc = start_engine(spec, workdir)
+    return finish_engine(proc, workdir, timeout)
+
+
+def start_engine(spec: EngineSpec, workdir: Path) -> subprocess.Popen[str]:
+    """Start the spec in a fresh process without waiting for it (see :func:`run_engine`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "spec.json").write_text(json.dumps(asdict(spec)))
+    env = {**os.environ, **ENGINE_ENV, **spec.env}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.multiprocessing else "0"
+    command = [sys.executable, "-m", "ucm.testing.engine", str(workdir)]
+    log = (workdir / "engine.log").open("w")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_engine(
+    proc: subprocess.Popen[str], workdir: Path, timeout: float = 600
+) -> list[PhaseResult]:
+    """Wait for a process from :func:`start_engine` and return its results."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    if code != 0:
+        tail = (workdir / "engine.log").read_text()[-6000:]
+        raise RuntimeError(f"engine process exited with {code}:\n{tail}")
+    raw = json.loads((workdir / "result.json").read_text())
+    return [PhaseResult(**phase) for phase in raw]
+
+
+def _serve(workdir: Path) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    raw = json.loads((workdir / "spec.json").read_text())
+    phases = [Phase(**phase) for phase in raw.pop("phases")]
+    spec = EngineSpec(phases=phases, **raw)
+    transfer = KVTransferConfig(**spec.kv_transfer_config) if spec.kv_transfer_config else None
+    llm = LLM(
+        model=spec.model,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        max_model_len=spec.max_model_len,
+        block_size=spec.block_size,
+        kv_cache_memory_bytes=64 << 20,
+        kv_transfer_config=transfer,
+        disable_log_stats=False,
+    )
+    results = []
+    for phase in spec.phases:
+        if phase.wait_for:
+            while not Path(phase.wait_for).exists():
+                time.sleep(0.05)
+        params = SamplingParams(temperature=0, max_tokens=phase.max_tokens, ignore_eos=True)
+        result = PhaseResult(outputs=[], cached_tokens=[], ttft_s=[])
+        for prompt in phase.prompts:
+            if phase.reset_before_each:
+                llm.reset_prefix_cache()
+            started = time.perf_counter()
+            (output,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
+            )
+            elapsed = time.perf_counter() - started
+            metrics = output.metrics
+            latency = getattr(metrics, "first_token_latency", 0.0) if metrics else 0.0
+            result.outputs.append(list(output.outputs[0].token_ids))
+            result.cached_tokens.append(int(output.num_cached_tokens or 0))
+            result.ttft_s.append(float(latency) if latency else elapsed)
+        results.append(asdict(result))
+        if phase.signal:
+            Path(phase.signal).touch()
+    (workdir / "result.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _serve(Path(sys.argv[1]))

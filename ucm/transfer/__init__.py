@@ -1,0 +1,1 @@
+"""The worker-side data path: vLLM's paged KV tensors as blocks of bytes."""

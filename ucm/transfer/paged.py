@@ -1,0 +1,153 @@
+"""vLLM's paged KV tensors seen as blocks of opaque bytes.
+
+A stored block is the concatenation, over this rank's attention layers in name
+order, of the layer's page for that block. Pages are copied whole with
+``index_select`` / ``index_copy_`` along the block dimension, whatever the attention
+backend's layout inside a page, so no code here knows where K, V or tokens are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """Where one layer's pages live and where they go inside a stored block."""
+
+    name: str
+    """The attention layer's name."""
+    tensor: torch.Tensor
+    """The layer's KV cache tensor (a view into vLLM's allocation)."""
+    block_dim: int
+    """The dimension of ``tensor`` that indexes blocks."""
+    offset: int
+    """Byte offset of this layer's page inside a stored block."""
+    page_bytes: int
+    """Bytes of one block of this layer."""
+
+
+def find_block_dim(tensor: torch.Tensor, backend: object | None, num_blocks: int | None) -> int:
+    """Find the dimension of a layer's KV tensor that indexes blocks.
+
+    Args:
+        tensor: The layer's KV cache tensor.
+        backend: The layer's attention backend class, if known.
+        num_blocks: The number of blocks vLLM allocated, if known.
+
+    Returns:
+        The block dimension.
+
+    Raises:
+        ValueError: No method identifies the block dimension unambiguously.
+    """
+    if backend is not None and hasattr(backend, "supported_kv_cache_layouts"):
+        return 0  # vLLM >= 0.32 hands out logical [blocks, heads, tokens, content] views.
+    shape_of = getattr(backend, "get_kv_cache_shape", None)
+    if shape_of is not None and tensor.dim() >= 2:
+        try:
+            first = tuple(shape_of(2, 16, 1, 64))
+            second = tuple(shape_of(3, 16, 1, 64))
+        except (TypeError, ValueError, AssertionError, NotImplementedError):
+            first = second = ()
+        changed = [d for d, (a, b) in enumerate(zip(first, second, strict=False)) if a != b]
+        if len(first) == tensor.dim() and len(changed) == 1:
+            return changed[0]
+    if num_blocks is not None:
+        matches = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
+        if len(matches) == 1:
+            return matches[0]
+    raise ValueError(
+        f"ucm: cannot find the block dimension of a KV tensor of shape {tuple(tensor.shape)} "
+        f"(attention backend {backend!r})"
+    )
+
+
+class PagedKV:
+    """The KV tensors of one worker rank, addressed by block."""
+
+    def __init__(self, layers: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+        """Lay the layers out inside a stored block.
+
+        Args:
+            layers: ``(name, tensor, block_dim)`` per attention layer; layers that
+                share one tensor are stored once.
+        """
+        pages: list[LayerPages] = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        offset = 0
+        for name, tensor, block_dim in sorted(layers, key=lambda item: item[0]):
+            identity = (tensor.data_ptr(), tuple(tensor.shape))
+            if identity in seen:
+                continue
+            seen.add(identity)
+            page_bytes = tensor.numel() // tensor.shape[block_dim] * tensor.element_size()
+            pages.append(LayerPages(name, tensor, block_dim, offset, page_bytes))
+            offset += page_bytes
+        if not pages:
+            raise ValueError("ucm: no KV cache tensors to transfer")
+        self.layers: tuple[LayerPages, ...] = tuple(pages)
+        """The layers, in the order their pages appear inside a block."""
+        self.block_bytes = offset
+        """Bytes of one stored block (all layers of this rank)."""
+        self.device = pages[0].tensor.device
+        """The device the KV tensors live on."""
+        self._by_name: Mapping[str, LayerPages] = {page.name: page for page in pages}
+
+    def layer(self, name: str) -> LayerPages | None:
+        """Return a layer by name, or None for layers without their own pages."""
+        return self._by_name.get(name)
+
+    def gather(self, layer: LayerPages, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the layer's pages of ``block_ids`` into rows of ``out``.
+
+        Args:
+            layer: The layer to copy from.
+            block_ids: Block indices (int64, on the KV tensor's device).
+            out: ``[len(block_ids), block_bytes]`` uint8 staging rows.
+        """
+        pages = layer.tensor.index_select(layer.block_dim, block_ids)
+        flat = pages.movedim(layer.block_dim, 0).reshape(len(block_ids), -1)
+        out[:, layer.offset : layer.offset + layer.page_bytes].copy_(flat.view(torch.uint8))
+
+    def scatter(self, layer: LayerPages, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy rows of ``rows`` into the layer's pages of ``block_ids``.
+
+        Args:
+            layer: The layer to copy into.
+            block_ids: Block indices (int64, on the KV tensor's device).
+            rows: ``[len(block_ids), block_bytes]`` uint8 staging rows.
+        """
+        tensor = layer.tensor
+        page = rows[:, layer.offset : layer.offset + layer.page_bytes].contiguous()
+        page = page.to(tensor.device, non_blocking=True).view(tensor.dtype)
+        inner = [size for dim, size in enumerate(tensor.shape) if dim != layer.block_dim]
+        pages = page.reshape(len(block_ids), *inner).movedim(0, layer.block_dim)
+        tensor.index_copy_(layer.block_dim, block_ids, pages)
+
+
+class StagingBuffer:
+    """Reusable host memory for a step's blocks (pinned when the KV is on a GPU)."""
+
+    def __init__(self, block_bytes: int, pin: bool) -> None:
+        self._block_bytes = block_bytes
+        self._pin = pin
+        self._tensor = torch.empty((0, block_bytes), dtype=torch.uint8)
+
+    def rows(self, count: int) -> torch.Tensor:
+        """Return ``[count, block_bytes]`` uint8 rows, growing the buffer when needed."""
+        if count > self._tensor.shape[0]:
+            capacity = max(count, 2 * self._tensor.shape[0])
+            self._tensor = torch.empty(
+                (capacity, self._block_bytes), dtype=torch.uint8, pin_memory=self._pin
+            )
+        return self._tensor[:count]
+
+
+def row_buffers(rows: torch.Tensor) -> list[memoryview]:
+    """Return a writable byte view of each row of a contiguous host uint8 tensor."""
+    array = rows.numpy()
+    return [memoryview(array[index]) for index in range(array.shape[0])]
