@@ -57,6 +57,12 @@ class KeySpace:
     """Device type whose attention backend wrote the pages (their layout differs)."""
     attention_backend: str
     """Configured attention backend, empty for the platform's default."""
+    quantization: str
+    """Weight quantization method, empty when none."""
+    speculative: str
+    """Speculative-decoding method and draft model (their layers' pages are stored too)."""
+    model_config_digest: str
+    """Digest of the model's configuration (rope scaling, overrides...), path excluded."""
 
     def root(self) -> bytes:
         """Return the digest every key chain of this key space starts from."""

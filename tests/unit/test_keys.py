@@ -28,6 +28,9 @@ SPACE = KeySpace(
     pipeline_parallel_size=1,
     device="cpu",
     attention_backend="",
+    quantization="",
+    speculative="",
+    model_config_digest="0123",
 )
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=0, max_size=64)

@@ -7,7 +7,9 @@ exchanging messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,7 +50,28 @@ def key_space(vllm_config: VllmConfig, config: UCMConfig) -> KeySpace:
         pipeline_parallel_size=int(parallel.pipeline_parallel_size),
         device=str(vllm_config.device_config.device_type),
         attention_backend="" if backend is None else str(backend.name),
+        quantization=str(model.quantization or ""),
+        speculative=_speculative(vllm_config),
+        model_config_digest=_config_digest(model.hf_config.to_dict()),
     )
+
+
+def _speculative(vllm_config: VllmConfig) -> str:
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return ""
+    draft = spec.draft_model_config.model if spec.draft_model_config is not None else ""
+    return f"{spec.method}:{draft}:{spec.num_speculative_tokens}"
+
+
+_LOCAL_CONFIG_FIELDS = ("_name_or_path", "_commit_hash", "transformers_version")
+
+
+def _config_digest(config: dict[str, Any]) -> str:
+    """Digest the model configuration, leaving out fields that name where it came from."""
+    kept = {key: value for key, value in config.items() if key not in _LOCAL_CONFIG_FIELDS}
+    encoded = json.dumps(kept, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(encoded, digest_size=16).hexdigest()
 
 
 def num_shards(vllm_config: VllmConfig) -> int:

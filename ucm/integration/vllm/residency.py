@@ -70,14 +70,14 @@ class MirroredTier(TierView):
         if key in self._last_used:
             self.touch(key, step)
             return False
+        if self._capacity <= 0:
+            return False
         while len(self._last_used) >= self._capacity:
             oldest, last_step = next(iter(self._last_used.items()))
             if last_step >= step:
                 return False
             del self._last_used[oldest]
             self._evicted.append(oldest)
-        if self._capacity <= 0:
-            return False
         self._last_used[key] = step
         return True
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
 
 
 @dataclass
@@ -124,10 +124,13 @@ class UCMScheduler:
         """Turn this step's decisions into the worker half's instructions."""
         step = next(self._steps)
         meta = UCMConnectorMetadata()
-        for state in self._requests.values():
-            if state.pending_load is not None:
-                meta.loads.extend(self._plan_load(state, state.pending_load, step))
-                state.pending_load = None
+        loading = [state for state in self._requests.values() if state.pending_load is not None]
+        for state in loading:  # Pin every block read this step before anything may evict.
+            for index in state.pending_load or ():
+                self._tiers[state.hit_tiers[index]].touch(state.chain.keys[index], step)
+        for state in loading:
+            meta.loads.extend(self._plan_load(state, state.pending_load or range(0), step))
+            state.pending_load = None
         if self._save_enabled:
             meta.saves.extend(self._plan_saves(scheduler_output, step))
         for index, view in enumerate(self._tiers):
@@ -139,6 +142,10 @@ class UCMScheduler:
     def request_finished(self, request: Request) -> None:
         """Forget a finished request (its saves completed within its steps)."""
         self._requests.pop(request.request_id, None)
+
+    def tracked_requests(self) -> frozenset[str]:
+        """Return the ids of requests this half holds state for."""
+        return frozenset(self._requests)
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
@@ -159,7 +166,6 @@ class UCMScheduler:
         for index in indices:
             key = state.chain.keys[index]
             source = state.hit_tiers[index]
-            self._tiers[source].touch(key, step)
             promote = tuple(t for t in range(source) if self._tiers[t].admit(key, step))
             loads.append(BlockLoad(state.block_ids[index], key, source, promote))
         return loads

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
 
 
 class UCMConnector(KVConnectorBase_V1):
@@ -153,6 +153,10 @@ class UCMConnector(KVConnectorBase_V1):
         """Forget the request; its blocks may be freed at once."""
         self._scheduler_half().request_finished(request)
         return False, None
+
+    def tracked_requests(self) -> frozenset[str]:
+        """Return the ids of requests the scheduler half holds state for (for leak checks)."""
+        return self._scheduler_half().tracked_requests()
 
     def _scheduler_half(self) -> UCMScheduler:
         assert self._scheduler is not None, "scheduler-side method called on a worker"

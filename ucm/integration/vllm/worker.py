@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
 
 
 def _shard_index() -> int:

@@ -1,0 +1,605 @@
+"""ucm's scheduler half inside vLLM's real ``Scheduler``: lookups, load and save plans, evictions.
+
+No engine, worker or model runs. Each test builds vLLM's own
+:class:`~vllm.v1.core.sched.scheduler.Scheduler` with ``UCMConnector`` (as vLLM's
+``tests/v1/kv_connector/unit/utils.py`` does for its connectors) and plays the model
+runner itself: after every ``schedule()`` it feeds one sampled token per request that
+has finished its prompt to ``update_from_output``. A ``posix`` store is pre-populated
+by writing block files under the keys the connector computes, so every hit is one the
+test arranged, and every step's metadata is checked against the block tables vLLM
+really allocated.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from ucm.config import parse_config
+from ucm.integration.vllm import plugin
+from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.model_info import estimated_block_bytes, key_space
+from ucm.keys import KeyChain
+from ucm.store.base import BlockKey
+from ucm.store.posix import PosixBackend
+from ucm.testing.model import NUM_SPECIAL_TOKENS, TINY, build_model, make_prompt_token_ids
+
+BLOCK = 32
+"""Tokens per KV block (vLLM's CPU backend needs a multiple of 32)."""
+PAYLOAD = memoryview(b"\x5a" * 64)
+"""What the test stores per block: the scheduler half never reads payloads."""
+
+
+# ---- harness ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(models_root: Path) -> Iterator[str]:
+    """The tiny Llama model directory (vLLM's ModelConfig reads its config.json), offline."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("TRANSFORMERS_OFFLINE", "1")
+        model = build_model(TINY, models_root)
+        plugin.register()
+        init_none_hash(sha256)
+        yield str(model)
+
+
+def prompt(num_tokens: int, seed: int) -> list[int]:
+    """Return reproducible non-special token ids for the tiny model."""
+    return make_prompt_token_ids(num_tokens, seed=seed, vocab_size=TINY.vocab_size)
+
+
+def posix_tiers(store: Path) -> list[dict[str, Any]]:
+    """Return ucm settings for one ``posix`` tier in ``store``."""
+    return [{"backend": "posix", "path": str(store), "capacity": "1GiB"}]
+
+
+@dataclass
+class Step:
+    """One ``schedule()`` call and what the scheduled requests looked like right after it."""
+
+    output: SchedulerOutput
+    meta: UCMConnectorMetadata
+    tables: dict[str, list[int]]
+    """Block table of every scheduled request."""
+    computed: dict[str, int]
+    """Tokens every scheduled request had computed (or loaded) before this step."""
+    keys: dict[str, list[BlockKey]]
+    """Keys of every scheduled request's full blocks (prompt and output so far)."""
+
+    def loaded(self, req_id: str) -> list[int]:
+        """Return the block indices of ``req_id`` this step loads, in metadata order."""
+        slots = self._slots(req_id)
+        return [
+            slots[(load.key, load.block_id)]
+            for load in self.meta.loads
+            if (load.key, load.block_id) in slots
+        ]
+
+    def saved(self, req_id: str) -> list[int]:
+        """Return the block indices of ``req_id`` this step saves, in metadata order."""
+        slots = self._slots(req_id)
+        return [
+            slots[(save.key, save.block_id)]
+            for save in self.meta.saves
+            if (save.key, save.block_id) in slots
+        ]
+
+    def _slots(self, req_id: str) -> dict[tuple[BlockKey, int], int]:
+        pairs = zip(self.keys[req_id], self.tables[req_id], strict=False)
+        return {pair: index for index, pair in enumerate(pairs)}
+
+
+@dataclass
+class Harness:
+    """vLLM's real scheduler with ``UCMConnector``; the test plays the model runner."""
+
+    scheduler: Scheduler
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    num_blocks: int
+    root: bytes
+    """The connector's key-chain root (its key space)."""
+    store: PosixBackend | None
+    """The pre-populated ``posix`` store, when a tier is one."""
+    store_tier: int | None
+    """Index of that tier."""
+    persist_saves: bool = False
+    """Write every planned save into ``store`` after its step, as the worker would."""
+    steps: list[Step] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)
+
+    def chain(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        """Return the keys the connector computes for the full blocks of ``token_ids``."""
+        return KeyChain(self.root, BLOCK).extend(list(token_ids))
+
+    def put(self, keys: Sequence[BlockKey]) -> None:
+        """Store a block under each key, as another engine would have."""
+        assert self.store is not None
+        assert all(self.store.dump(keys, [PAYLOAD] * len(keys)).wait())
+
+    def add(self, req_id: str, token_ids: list[int], max_tokens: int) -> Request:
+        """Add a greedy request that stops after ``max_tokens`` output tokens."""
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        self.scheduler.add_request(request)
+        self.requests[req_id] = request
+        return request
+
+    def schedule(self) -> Step:
+        """Run ``schedule()``, record the step and check it against vLLM's block tables."""
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, UCMConnectorMetadata)
+        step = Step(output, meta, {}, {}, {})
+        manager = self.scheduler.kv_cache_manager
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            step.tables[req_id] = list(manager.get_block_ids(req_id)[0])
+            step.computed[req_id] = request.num_computed_tokens - num_tokens
+            step.keys[req_id] = self.chain(request.all_token_ids)
+        check_step(step)
+        self.steps.append(step)
+        return step
+
+    def update(self, step: Step) -> None:
+        """Play the model runner: one token per request that has consumed its whole prompt."""
+        req_ids = list(step.output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and request.num_computed_tokens >= request.num_tokens:
+                sampled.append([next_token(req_id, request.num_tokens)])
+            else:
+                sampled.append([])  # A prompt chunk, or a request aborted after scheduling.
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        self.scheduler.update_from_output(step.output, runner_output)
+        if self.persist_saves and self.store is not None and step.meta.saves:
+            self.put([save.key for save in step.meta.saves if self.store_tier in save.tiers])
+
+    def step(self) -> Step:
+        """Schedule one step and feed its model output back."""
+        step = self.schedule()
+        self.update(step)
+        return step
+
+    def run(self, max_steps: int = 1000) -> None:
+        """Step until no request is left."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def free_blocks(self) -> int:
+        """Return how many KV blocks the pool has free."""
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def assert_no_leaks(self) -> None:
+        """Assert that no request, block or connector state outlives the requests."""
+        scheduler = self.scheduler
+        assert not scheduler.requests
+        assert not scheduler.running
+        assert len(scheduler.waiting) == 0
+        assert len(scheduler.kv_holding_waiting) == 0
+        # Block 0 is vLLM's null block: it is never free, so "all free" is one less.
+        assert self.free_blocks() == self.num_blocks - 1
+        pool = scheduler.kv_cache_manager.block_pool
+        assert all(block.ref_cnt == 0 for block in pool.blocks)
+        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+            assert not manager.req_to_blocks
+        # The connector's per-request state (private, but a leak there grows for ever).
+        assert not scheduler.connector.tracked_requests()  # type: ignore[union-attr]
+
+
+def next_token(req_id: str, position: int) -> int:
+    """Return the token the simulated model samples: deterministic, never special."""
+    digest = zlib.crc32(f"{req_id}:{position}".encode())
+    return NUM_SPECIAL_TOKENS + digest % (TINY.vocab_size - NUM_SPECIAL_TOKENS)
+
+
+def check_step(step: Step) -> None:
+    """Check invariants every step's metadata must satisfy, whatever the scenario.
+
+    Every load and save names one scheduled request's block by its key and by the
+    block id vLLM allocated for it now; loads only fill blocks counted as computed
+    before the step, saves only blocks complete by the end of it; no key is saved
+    twice, saved and loaded, or evicted while loaded or saved.
+    """
+    owners: dict[tuple[BlockKey, int], list[tuple[str, int]]] = {}
+    for req_id, keys in step.keys.items():
+        for index, pair in enumerate(zip(keys, step.tables[req_id], strict=False)):
+            owners.setdefault(pair, []).append((req_id, index))
+    scheduled = step.output.num_scheduled_tokens
+    for load in step.meta.loads:
+        slots = owners.get((load.key, load.block_id))
+        assert slots, f"load of block {load.block_id} matches no scheduled request's block"
+        assert any((index + 1) * BLOCK <= step.computed[req] for req, index in slots)
+    for save in step.meta.saves:
+        slots = owners.get((save.key, save.block_id))
+        assert slots, f"save of block {save.block_id} matches no scheduled request's block"
+        assert any((i + 1) * BLOCK <= step.computed[r] + scheduled[r] for r, i in slots)
+    load_keys = {load.key for load in step.meta.loads}
+    save_keys = [save.key for save in step.meta.saves]
+    assert len(set(save_keys)) == len(save_keys)
+    assert not load_keys & set(save_keys)
+    for evicted in step.meta.evictions.values():
+        assert not set(evicted) & (load_keys | set(save_keys))
+
+
+def make_harness(
+    model: str,
+    tiers: list[dict[str, Any]],
+    *,
+    num_blocks: int = 200,
+    enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int = 1024,
+) -> Harness:
+    """Build vLLM's scheduler with ``UCMConnector`` over ``tiers`` (after vLLM's test utils).
+
+    The KV cache layout is the tiny model's real one (one group of full attention
+    layers), so the connector's estimate of a block's bytes is what a worker would hold.
+    """
+    extra = {"tiers": tiers}
+    model_config = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=4096)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=enable_prefix_caching
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="UCMConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    assert not vllm_config.scheduler_config.async_scheduling
+    parallel = vllm_config.parallel_config
+    spec = FullAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=model_config.get_num_kv_heads(parallel),
+        head_size=model_config.get_head_size(),
+        dtype=torch.float32,
+    )
+    layers = [
+        f"model.layers.{i}.self_attn.attn" for i in range(model_config.get_num_layers(parallel))
+    ]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+    root = key_space(vllm_config, parse_config(extra)).root()
+    posix = [index for index, tier in enumerate(tiers) if tier["backend"] == "posix"]
+    store_tier = posix[0] if posix else None
+    store = None if store_tier is None else PosixBackend(Path(tiers[store_tier]["path"]), 1 << 30)
+    return Harness(scheduler, vllm_config, kv_cache_config, num_blocks, root, store, store_tier)
+
+
+# ---- scenarios -------------------------------------------------------------------------
+
+
+def test_partial_hit_loads_stored_blocks_and_saves_the_rest(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    h = make_harness(tiny_model, posix_tiers(tmp_path / "store"))
+    tokens = prompt(10 * BLOCK + 5, seed=1)
+    keys = h.chain(tokens)
+    h.put(keys[:6])
+    h.add("partial", tokens, max_tokens=2)
+
+    step = h.schedule()
+
+    assert step.output.num_scheduled_tokens == {"partial": len(tokens) - 6 * BLOCK}
+    (new,) = step.output.scheduled_new_reqs
+    table = step.tables["partial"]
+    assert list(new.block_ids[0]) == table
+    assert new.num_computed_tokens == 6 * BLOCK
+    assert len(table) == 11
+    loads = [(load.block_id, load.key, load.tier, load.promote_to) for load in step.meta.loads]
+    assert loads == [(table[i], keys[i], 0, ()) for i in range(6)]
+    saves = [(save.block_id, save.key, save.tiers) for save in step.meta.saves]
+    assert saves == [(table[i], keys[i], (0,)) for i in range(6, 10)]
+    assert not step.meta.evictions
+
+    h.update(step)
+    h.run()
+    later = h.steps[1:]
+    assert later
+    assert all(not s.meta.loads and not s.meta.saves for s in later)  # Block 10 never fills.
+    assert len(h.requests["partial"].output_token_ids) == 2
+    h.assert_no_leaks()
+
+
+def test_full_prompt_hit_still_computes_the_last_block(tiny_model: str, tmp_path: Path) -> None:
+    h = make_harness(tiny_model, posix_tiers(tmp_path / "store"))
+    tokens = prompt(8 * BLOCK, seed=2)
+    keys = h.chain(tokens)
+    h.put(keys)
+    h.add("full", tokens, max_tokens=3)
+
+    step = h.schedule()
+
+    # The last prompt token must be computed to sample from, so its block is not loaded.
+    assert step.output.num_scheduled_tokens == {"full": BLOCK}
+    table = step.tables["full"]
+    assert len(table) == 8
+    assert [(load.block_id, load.key) for load in step.meta.loads] == [
+        (table[i], keys[i]) for i in range(7)
+    ]
+    # Block 7 is recomputed; saving it again is allowed, saving a loaded block is not.
+    assert all((save.block_id, save.key) == (table[7], keys[7]) for save in step.meta.saves)
+
+    h.update(step)
+    h.run()
+    assert all(not s.meta.loads for s in h.steps[1:])
+    assert len(h.requests["full"].output_token_ids) == 3
+    h.assert_no_leaks()
+
+
+def test_miss_saves_prompt_blocks_then_each_decode_block_as_it_fills(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    h = make_harness(tiny_model, posix_tiers(tmp_path / "store"))
+    tokens = prompt(3 * BLOCK + 5, seed=3)
+    h.add("miss", tokens, max_tokens=64)  # Ends with 165 tokens: blocks 3 and 4 fill in decode.
+
+    first = h.step()
+    assert first.output.num_scheduled_tokens == {"miss": len(tokens)}
+    assert not first.meta.loads
+    assert first.saved("miss") == [0, 1, 2]
+    assert len(first.meta.saves) == 3
+
+    h.run()
+    request = h.requests["miss"]
+    assert len(request.output_token_ids) == 64
+    final_keys = h.chain(request.all_token_ids)
+    saved_in: dict[int, int] = {}
+    for number, step in enumerate(h.steps):
+        assert not step.meta.loads
+        for save in step.meta.saves:
+            index = final_keys.index(save.key)
+            assert index not in saved_in, f"block {index} saved twice"
+            assert save.block_id == step.tables["miss"][index]
+            saved_in[index] = number
+    # Each decode block is saved by the step that computes its last token: the step
+    # that starts with (index + 1) * BLOCK - 1 tokens computed.
+    assert sorted(saved_in) == [0, 1, 2, 3, 4]
+    for index in (3, 4):
+        step = h.steps[saved_in[index]]
+        assert step.computed["miss"] == (index + 1) * BLOCK - 1
+        assert step.output.num_scheduled_tokens["miss"] == 1
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_preemption_resumes_with_loads_into_new_blocks(
+    enable_prefix_caching: bool, tiny_model: str, tmp_path: Path
+) -> None:
+    num_blocks = 24  # 23 usable: 4 requests need 4 x 5 blocks to start, 4 x 7 to finish.
+    h = make_harness(
+        tiny_model,
+        posix_tiers(tmp_path / "store"),
+        num_blocks=num_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    h.persist_saves = True  # What is saved before a preemption can be loaded after it.
+    names = [f"long-{n}" for n in range(4)]
+    for seed, name in enumerate(names, start=10):
+        tokens = prompt(4 * BLOCK + 10, seed=seed)
+        h.put(h.chain(tokens)[:3])
+        h.add(name, tokens, max_tokens=60)
+
+    first = h.schedule()
+    for name in names:
+        assert first.loaded(name) == [0, 1, 2]
+    h.update(first)
+    h.run()
+
+    assert sum(h.requests[name].num_preemptions for name in names) > 0
+    for name in names:
+        request = h.requests[name]
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert len(request.output_token_ids) == 60
+
+    resumed_loads = 0
+    moved = False
+    previous_table: dict[str, list[int]] = {}
+    for step in h.steps:
+        for req_id in step.output.scheduled_cached_reqs.resumed_req_ids:
+            loaded = step.loaded(req_id)
+            # check_step already tied every load to this step's (new) block table.
+            if not enable_prefix_caching:
+                # Nothing is computed locally on resumption: ucm loads every stored
+                # block from the first one, up to the one holding the last token.
+                assert step.computed[req_id] == len(loaded) * BLOCK
+                assert loaded == list(range(len(loaded)))
+                limit = (len(h.requests[req_id].all_token_ids) - 1) // BLOCK
+                assert len(loaded) >= 3
+                assert len(loaded) <= limit
+            resumed_loads += len(loaded)
+            old = previous_table.get(req_id, [])
+            new = step.tables[req_id]
+            moved |= any(i < len(old) and old[i] != new[i] for i in loaded)
+        previous_table.update(step.tables)
+    if not enable_prefix_caching:
+        assert resumed_loads > 0
+        assert moved  # Some resumed load went to a block other than the one it had before.
+    h.assert_no_leaks()
+
+
+def test_request_aborted_while_its_load_is_planned(tiny_model: str, tmp_path: Path) -> None:
+    num_blocks = 64
+    h = make_harness(tiny_model, posix_tiers(tmp_path / "store"), num_blocks=num_blocks)
+    doomed = prompt(10 * BLOCK + 5, seed=20)
+    doomed_keys = h.chain(doomed)
+    h.put(doomed_keys[:6])
+    h.add("doomed", doomed, max_tokens=4)
+    h.add("bystander", prompt(2 * BLOCK + 3, seed=21), max_tokens=40)
+
+    step = h.schedule()
+    assert step.loaded("doomed") == list(range(6))
+    assert len(step.meta.loads) == 6
+
+    (aborted,) = h.scheduler.finish_requests("doomed", RequestStatus.FINISHED_ABORTED)
+    assert aborted.request_id == "doomed"
+    h.update(step)  # The step that carried the load still comes back.
+
+    assert "doomed" not in h.scheduler.requests
+    assert "doomed" not in h.scheduler.connector.tracked_requests()  # type: ignore[union-attr]
+    bystander_blocks = len(h.scheduler.kv_cache_manager.get_block_ids("bystander")[0])
+    assert h.free_blocks() == num_blocks - 1 - bystander_blocks
+    nxt = h.step()
+    assert not nxt.meta.loads  # The aborted request's planned load is not repeated.
+    assert set(nxt.output.num_scheduled_tokens) == {"bystander"}
+    h.run()
+    assert len(h.requests["bystander"].output_token_ids) == 40
+    h.assert_no_leaks()
+
+    # A later request with the same prompt loads the stored blocks into its own blocks.
+    assert h.scheduler.reset_prefix_cache()  # Else vLLM's own cache holds the prefix.
+    h.add("again", doomed, max_tokens=2)
+    again = h.schedule()
+    assert again.loaded("again") == list(range(6))
+    assert again.output.num_scheduled_tokens == {"again": len(doomed) - 6 * BLOCK}
+    h.update(again)
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_dram_mirror_evicts_least_recently_used_blocks(tiny_model: str, tmp_path: Path) -> None:
+    probe = make_harness(tiny_model, posix_tiers(tmp_path / "probe"))
+    block_bytes = estimated_block_bytes(probe.vllm_config, probe.kv_cache_config)
+    # A wrapper that passes no KV cache layout must estimate the same block size.
+    assert estimated_block_bytes(probe.vllm_config, None) == block_bytes
+    h = make_harness(tiny_model, [{"backend": "dram", "capacity": 4 * block_bytes}])
+
+    def phase(req_id: str, tokens: list[int]) -> tuple[Step, list[BlockKey]]:
+        """Run one single-step request, then empty vLLM's own prefix cache."""
+        h.add(req_id, tokens, max_tokens=1)
+        step = h.step()
+        assert h.requests[req_id].is_finished()
+        assert h.scheduler.reset_prefix_cache()
+        return step, h.chain(tokens)
+
+    def saved(step: Step) -> list[BlockKey]:
+        """Return the keys the step saves."""
+        return [save.key for save in step.meta.saves]
+
+    def loaded(step: Step) -> list[BlockKey]:
+        """Return the keys the step loads."""
+        return [load.key for load in step.meta.loads]
+
+    doc = prompt(3 * BLOCK + 1, seed=30)
+    step, a = phase("a", doc)  # Mirror (LRU first): a0 a1 a2
+    assert (loaded(step), saved(step), step.meta.evictions) == ([], a[:3], {})
+
+    step, b = phase("b", doc[:BLOCK] + prompt(BLOCK + 1, seed=31))  # a1 a2 a0 b1
+    assert b[0] == a[0]
+    assert (loaded(step), saved(step), step.meta.evictions) == ([a[0]], [b[1]], {})
+
+    step, c = phase("c", prompt(2 * BLOCK + 1, seed=32))  # a0 b1 c0 c1: a0 was used in "b".
+    assert (loaded(step), saved(step)) == ([], c[:2])
+    assert step.meta.evictions == {0: [a[1], a[2]]}
+
+    step, _ = phase("a-again", doc)  # c1 a0 a1 a2
+    assert (loaded(step), saved(step)) == ([a[0]], [a[1], a[2]])
+    assert step.meta.evictions == {0: [b[1], c[0]]}
+
+    # Six new blocks but room for four: blocks of the current step are never evicted,
+    # so the last two are left out.
+    step, d = phase("d", prompt(6 * BLOCK + 1, seed=33))
+    assert (loaded(step), saved(step)) == ([], d[:4])
+    assert step.meta.evictions == {0: [c[1], a[0], a[1], a[2]]}
+
+    step, _ = phase("a-evicted", doc)  # An evicted block is a miss again.
+    assert (loaded(step), saved(step)) == ([], a[:3])
+    assert step.meta.evictions == {0: [d[0], d[1], d[2]]}
+    h.assert_no_leaks()
+
+
+def test_dram_tier_smaller_than_one_block_saves_nothing(tiny_model: str) -> None:
+    h = make_harness(tiny_model, [{"backend": "dram", "capacity": "1KiB"}])
+    h.add("tiny-tier", prompt(2 * BLOCK + 1, seed=40), max_tokens=1)
+    step = h.step()
+    assert not step.meta.saves
+    assert not step.meta.evictions
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_promotion_never_evicts_a_block_loaded_in_the_same_step(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    probe = make_harness(tiny_model, posix_tiers(tmp_path / "probe"))
+    block_bytes = estimated_block_bytes(probe.vllm_config, probe.kv_cache_config)
+    tiers = [
+        {"backend": "dram", "capacity": block_bytes},  # Room for one block.
+        *posix_tiers(tmp_path / "store"),
+    ]
+    h = make_harness(tiny_model, tiers)
+    dram_only = prompt(BLOCK + 1, seed=50)
+    h.add("writer", dram_only, max_tokens=1)
+    first = h.step()
+    (kept,) = h.chain(dram_only)
+    assert [(save.key, save.tiers) for save in first.meta.saves] == [(kept, (0, 1))]
+    assert h.scheduler.reset_prefix_cache()
+    # No worker ran, so the block is in the dram mirror only (as when posix lost it).
+    on_disk = prompt(BLOCK + 1, seed=51)
+    (promoted,) = h.chain(on_disk)
+    h.put([promoted])
+
+    h.add("from-disk", on_disk, max_tokens=1)  # Looked up first: its load promotes to dram.
+    h.add("from-dram", dram_only, max_tokens=1)
+    step = h.schedule()  # check_step: no evicted key is loaded in the same step.
+
+    assert step.loaded("from-dram") == [0]
+    assert [load.tier for load in step.meta.loads] == [1, 0]
+    assert kept not in step.meta.evictions.get(0, [])
