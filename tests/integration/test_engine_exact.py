@@ -15,17 +15,11 @@ import pytest
 
 from tests.integration.workload import Workload, documents_workload
 from ucm.testing.engine import EngineSpec, Phase, finish_engine, run_engine, start_engine
-from ucm.testing.model import TINY, build_model
 
 pytestmark = pytest.mark.engine
 
 WORKLOAD = documents_workload()
 HEADER_BYTES = 48
-
-
-@pytest.fixture(scope="session")
-def tiny_model(models_root: Path) -> str:
-    return str(build_model(TINY, models_root))
 
 
 @pytest.fixture(scope="session")
