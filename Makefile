@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ucm-installed
 
-.PHONY: install demo test quick lint clean
+.PHONY: install demo test quick lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,5 +29,8 @@ test: lint
 quick: $(STAMP)
 	$(PY) -m pytest tests -m "not engine"
 
+bench: $(STAMP)
+	$(PY) -m ucm bench datapath --results bench-results
+
 clean:
-	rm -rf $(VENV) .demo
+	rm -rf $(VENV) .demo .bench

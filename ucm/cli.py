@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -26,8 +27,33 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--workdir", type=Path, default=Path(".demo"), help="models and store")
     demo.add_argument("--documents", type=int, default=3, help="documents to ask about")
     demo.add_argument("--document-tokens", type=int, default=1536, help="tokens per document")
+    bench = commands.add_parser("bench", help="measure ucm next to the machine's limits")
+    bench.add_argument("suite", choices=["datapath"], help="which benchmark to run")
+    bench.add_argument("--store-dir", type=Path, default=Path(".bench/store"), help="scratch")
+    bench.add_argument("--results", type=Path, default=Path("bench-results"), help="output")
+    bench.add_argument("--block-kib", type=int, default=1024, help="stored block size")
+    bench.add_argument("--blocks", type=int, default=256, help="blocks per batch")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_datapath_bench(args.store_dir, args.results, args.block_kib << 10, args.blocks)
     return run_demo(args.workdir, args.documents, args.document_tokens)
+
+
+def run_datapath_bench(store_dir: Path, results: Path, block_bytes: int, blocks: int) -> int:
+    """Run the data-path micro-benchmark; write ``datapath.json`` and ``datapath.md``.
+
+    Returns:
+        0 (the benchmark reports; it does not judge).
+    """
+    from ucm.bench import datapath
+
+    measured = datapath.run(store_dir, block_bytes, blocks)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "datapath.json").write_text(json.dumps(measured, indent=2))
+    report = datapath.markdown(measured)
+    (results / "datapath.md").write_text(report)
+    print(report)
+    return 0
 
 
 def run_demo(workdir: Path, documents: int, document_tokens: int) -> int:

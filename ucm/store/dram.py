@@ -40,6 +40,10 @@ class DramBackend(Backend):
         self._capacity = capacity_bytes
         self._blocks: OrderedDict[BlockKey, bytearray] = OrderedDict()
         self._used = 0
+        # Buffers of evicted or deleted blocks, kept for reuse: writing into memory that
+        # was touched before runs at copy speed, fresh pages first fault in one by one.
+        self._spare: list[bytearray] = []
+        self._spare_bytes = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -113,6 +117,7 @@ class DramBackend(Backend):
                 block = self._blocks.pop(key, None)
                 if block is not None:
                     self._used -= len(block)
+                    self._keep_spare(block)
 
     def usage(self) -> Usage:
         """Return the exact payload bytes and number of blocks held."""
@@ -125,7 +130,8 @@ class DramBackend(Backend):
         """Drop every block and release the memory."""
         with self._lock:
             self._blocks.clear()
-            self._used = 0
+            self._spare.clear()
+            self._used = self._spare_bytes = 0
 
     def _dump_one(self, key: BlockKey, src: Buffer) -> bool:
         size = src.nbytes
@@ -133,17 +139,46 @@ class DramBackend(Backend):
             return False
         if self._touch(key):
             return True
-        block = bytearray(src)  # Copied outside the lock; inserted under it.
         with self._lock:
-            if key in self._blocks:
+            block = self._reuse_or_make_room(size)
+            self._used += size  # Reserved now, so concurrent dumps stay within capacity.
+        block[:] = src.cast("B")  # Copied outside the lock; published under it.
+        with self._lock:
+            if key in self._blocks:  # Another thread stored it meanwhile.
                 self._blocks.move_to_end(key)
-                return True
-            while self._used + size > self._capacity:
+                self._used -= size
+                self._keep_spare(block)
+            else:
+                self._blocks[key] = block
+        return True
+
+    def _keep_spare(self, block: bytearray) -> None:
+        """Keep a no longer used buffer for reuse; the caller holds the lock."""
+        self._spare.append(block)
+        self._spare_bytes += len(block)
+
+    def _reuse_or_make_room(self, size: int) -> bytearray:
+        """Return a buffer of ``size`` bytes within capacity; the caller holds the lock.
+
+        A spare buffer of that size is reused first; otherwise spare buffers of other
+        sizes are dropped and least recently used blocks evicted until there is room.
+        """
+        for index, spare in enumerate(self._spare):
+            if len(spare) == size:
+                self._spare_bytes -= size
+                return self._spare.pop(index)
+        while self._used + self._spare_bytes + size > self._capacity:
+            if self._spare:
+                self._spare_bytes -= len(self._spare.pop(0))
+            elif self._blocks:
                 _, evicted = self._blocks.popitem(last=False)
                 self._used -= len(evicted)
-            self._blocks[key] = block
-            self._used += size
-        return True
+                if len(evicted) == size:
+                    return evicted
+                self._keep_spare(evicted)
+            else:
+                break
+        return bytearray(size)
 
     def _touch(self, key: BlockKey) -> bool:
         with self._lock:

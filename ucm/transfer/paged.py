@@ -96,6 +96,7 @@ class PagedKV:
         self.device = pages[0].tensor.device
         """The device the KV tensors live on."""
         self._by_name: Mapping[str, LayerPages] = {page.name: page for page in pages}
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def layer(self, name: str) -> LayerPages | None:
         """Return a layer by name, or None for layers without their own pages."""
@@ -109,9 +110,11 @@ class PagedKV:
             block_ids: Block indices (int64, on the KV tensor's device).
             out: ``[len(block_ids), block_bytes]`` uint8 staging rows.
         """
-        pages = layer.tensor.index_select(layer.block_dim, block_ids)
-        flat = pages.movedim(layer.block_dim, 0).reshape(len(block_ids), -1)
-        out[:, layer.offset : layer.offset + layer.page_bytes].copy_(flat.view(torch.uint8))
+        tensor, dim, count = layer.tensor, layer.block_dim, len(block_ids)
+        pages = self._pages(layer, count)
+        torch.index_select(tensor, dim, block_ids, out=pages.movedim(0, dim))
+        flat = pages.view(count, -1).view(torch.uint8)
+        out[:, layer.offset : layer.offset + layer.page_bytes].copy_(flat)
 
     def scatter(self, layer: LayerPages, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy rows of ``rows`` into the layer's pages of ``block_ids``.
@@ -121,12 +124,26 @@ class PagedKV:
             block_ids: Block indices (int64, on the KV tensor's device).
             rows: ``[len(block_ids), block_bytes]`` uint8 staging rows.
         """
+        count = len(block_ids)
+        pages = self._pages(layer, count)
+        source = rows[:, layer.offset : layer.offset + layer.page_bytes]
+        pages.view(count, -1).view(torch.uint8).copy_(source, non_blocking=True)
+        layer.tensor.index_copy_(layer.block_dim, block_ids, pages.movedim(0, layer.block_dim))
+
+    def _pages(self, layer: LayerPages, count: int) -> torch.Tensor:
+        """Return reusable ``[count, *page shape]`` scratch memory for the layer's pages.
+
+        Reusing it avoids faulting fresh pages in on every step.
+        """
         tensor = layer.tensor
-        page = rows[:, layer.offset : layer.offset + layer.page_bytes].contiguous()
-        page = page.to(tensor.device, non_blocking=True).view(tensor.dtype)
-        inner = [size for dim, size in enumerate(tensor.shape) if dim != layer.block_dim]
-        pages = page.reshape(len(block_ids), *inner).movedim(0, layer.block_dim)
-        tensor.index_copy_(layer.block_dim, block_ids, pages)
+        shape = [size for dim, size in enumerate(tensor.shape) if dim != layer.block_dim]
+        numel = count * layer.page_bytes // tensor.element_size()
+        key = (tensor.dtype, tensor.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < numel:
+            scratch = torch.empty(numel, dtype=tensor.dtype, device=tensor.device)
+            self._scratch[key] = scratch
+        return scratch[:numel].view(count, *shape)
 
 
 class StagingBuffer:

@@ -16,8 +16,51 @@ from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey
 
 
+def stored_prefix(keys: Sequence[BlockKey], tiers: Sequence[TierView]) -> list[int]:
+    """Find the longest prefix of blocks that the tiers hold.
+
+    In-memory tiers answer for all keys at once; tiers that need I/O are asked only
+    about blocks the in-memory tiers miss, in order, stopping at the first miss.
+
+    Args:
+        keys: Keys of consecutive blocks, in prefix order.
+        tiers: The tiers, fastest first.
+
+    Returns:
+        For each leading stored block, the index of the fastest tier holding it.
+    """
+    best = [_MISS] * len(keys)
+    for index in reversed(range(len(tiers))):
+        if tiers[index].in_memory:
+            hits = tiers[index].contains_many(keys)
+            best = [index if hit else other for hit, other in zip(hits, best, strict=True)]
+    slow = [index for index, tier in enumerate(tiers) if not tier.in_memory]
+    if not slow:
+        return best[: best.index(_MISS)] if _MISS in best else best
+    found: list[int] = []
+    for key, tier in zip(keys, best, strict=True):
+        for index in slow:
+            if index < tier and tiers[index].contains(key):
+                tier = index
+                break
+        if tier == _MISS:
+            break
+        found.append(tier)
+    return found
+
+
+_MISS = 1 << 30  # Larger than any tier index, so that min() picks a real tier.
+
+
 class TierView(abc.ABC):
     """What the scheduler knows of one tier."""
+
+    in_memory: bool = False
+    """Whether ``contains`` answers from memory (no I/O), so batches of keys are cheap."""
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return ``contains`` for each key."""
+        return [self.contains(key) for key in keys]
 
     @abc.abstractmethod
     def contains(self, key: BlockKey) -> bool:
@@ -50,6 +93,8 @@ class MirroredTier(TierView):
     evicted, so a step that needs more room than that leaves new blocks out instead.
     """
 
+    in_memory = True
+
     def __init__(self, capacity_blocks: int) -> None:
         self._capacity = capacity_blocks
         self._last_used: OrderedDict[BlockKey, int] = OrderedDict()
@@ -58,6 +103,11 @@ class MirroredTier(TierView):
     def contains(self, key: BlockKey) -> bool:
         """Return whether the block is in the tier."""
         return key in self._last_used
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return whether each block is in the tier."""
+        stored = self._last_used
+        return [key in stored for key in keys]
 
     def touch(self, key: BlockKey, step: int) -> None:
         """Mark the block most recently used and pin it for ``step``."""

@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 from ucm.config import UCMConfig
 from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
 from ucm.integration.vllm.model_info import estimated_block_bytes, key_space, num_shards
-from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView
+from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView, stored_prefix
 from ucm.keys import KeyChain, request_root
 from ucm.store.base import BlockKey
 from ucm.store.registry import backend_class
@@ -93,12 +93,7 @@ class UCMScheduler:
             return 0, False
         keys = state.chain.extend(request.all_token_ids)
         max_blocks = min(len(keys), (request.num_tokens - 1) // self._block_size)
-        hit_tiers: list[int] = []
-        for key in keys[:max_blocks]:
-            tier = next((t for t, view in enumerate(self._tiers) if view.contains(key)), None)
-            if tier is None:
-                break
-            hit_tiers.append(tier)
+        hit_tiers = stored_prefix(keys[:max_blocks], self._tiers)
         state.hit_tiers = hit_tiers
         state.lookup_computed_tokens = num_computed_tokens
         state.num_saved_blocks = max(state.num_saved_blocks, len(hit_tiers))

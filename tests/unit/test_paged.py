@@ -1,0 +1,67 @@
+"""Whole-page gather/scatter between paged KV tensors and staging rows, any layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ucm.transfer.paged import PagedKV, StagingBuffer, find_block_dim, row_buffers
+
+LAYOUTS = {
+    "cpu [blocks, heads, tokens, 2*head]": (0, lambda: torch.randn(64, 4, 32, 16)),
+    "flash [2, blocks, tokens, heads, head]": (1, lambda: torch.randn(2, 64, 32, 4, 8)),
+    "strided view of a permuted allocation": (
+        0,
+        lambda: torch.randn(32, 64, 4, 16).transpose(0, 1),
+    ),
+    "bf16 pages": (0, lambda: torch.randn(64, 2, 32, 8).to(torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_copies_exactly_the_chosen_blocks(layout: str) -> None:
+    dim, make = LAYOUTS[layout]
+    torch.manual_seed(0)
+    source = PagedKV([("layer.0", make(), dim), ("layer.1", make(), dim)])
+    target = PagedKV([(f"layer.{i}", torch.zeros_like(make()), dim) for i in range(2)])
+    ids = torch.tensor([5, 3, 17, 40])
+    rows = StagingBuffer(source.block_bytes, pin=False).rows(len(ids))
+    for layer in source.layers:
+        source.gather(layer, ids, rows)
+    for layer in target.layers:
+        target.scatter(layer, ids, rows)
+    rest = torch.tensor([i for i in range(64) if i not in ids.tolist()])
+    for src, dst in zip(source.layers, target.layers, strict=True):
+        assert torch.equal(dst.tensor.index_select(dim, ids), src.tensor.index_select(dim, ids))
+        assert not dst.tensor.index_select(dim, rest).any()
+    assert all(view.nbytes == source.block_bytes for view in row_buffers(rows))
+
+
+def test_layers_sharing_one_tensor_are_stored_once() -> None:
+    shared = torch.randn(8, 2, 32, 4)
+    paged = PagedKV([("a", shared, 0), ("b", shared, 0), ("c", torch.randn(8, 2, 32, 4), 0)])
+    assert [layer.name for layer in paged.layers] == ["a", "c"]
+    assert paged.block_bytes == 2 * 2 * 32 * 4 * 4
+
+
+class _LegacyBackend:
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class _LayoutAwareBackend:
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[str, ...]:
+        return ("LBHNC",)
+
+
+def test_block_dimension_comes_from_the_backend_or_the_block_count() -> None:
+    tensor = torch.empty(2, 10, 16, 1, 64)
+    assert find_block_dim(tensor, _LegacyBackend, None) == 1
+    assert find_block_dim(torch.empty(10, 2, 16, 64), _LayoutAwareBackend, None) == 0
+    assert find_block_dim(torch.empty(3, 10, 7), None, num_blocks=10) == 1
+    with pytest.raises(ValueError, match="block dimension"):
+        find_block_dim(torch.empty(10, 10), None, num_blocks=10)

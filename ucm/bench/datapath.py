@@ -1,0 +1,239 @@
+"""Data-path micro-benchmark: ucm's transfer rates next to the machine's own limits.
+
+Measured side by side in one run, so that ratios stay meaningful on a noisy machine:
+memory copy bandwidth, sequential disk write/read bandwidth on the store's filesystem,
+ucm's ``dram`` and ``posix`` save/load rates for blocks of a given size, the
+gather/scatter rate between a paged KV tensor and staging rows, and the scheduler's
+lookup cost for a long prompt against an index of a million stored blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ucm.integration.vllm.residency import MirroredTier, SharedTier, stored_prefix
+from ucm.keys import KeyChain
+from ucm.store.base import Backend, BlockKey
+from ucm.store.dram import DramBackend
+from ucm.store.posix import PosixBackend
+from ucm.transfer.paged import PagedKV, row_buffers
+
+_CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One measured transfer rate."""
+
+    name: str
+    """What was measured."""
+    gb_per_s: float
+    """Best rate over the repeats, in 10^9 bytes per second."""
+    note: str = ""
+    """Conditions worth knowing (page cache state, sizes)."""
+
+
+def best_rate(nbytes: int, run: Callable[[], None], repeats: int = 3) -> float:
+    """Run ``run`` ``repeats`` times and return the best rate in GB/s for ``nbytes``."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def memory_copy(nbytes: int) -> Rate:
+    """Measure copying between two already-touched host buffers."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    copy()  # Touch every page first: first-touch faults are not copy bandwidth.
+    return Rate("memory copy", best_rate(nbytes, copy), f"{nbytes >> 20} MiB")
+
+
+def disk_sequential(directory: Path, nbytes: int) -> list[Rate]:
+    """Measure sequential writes (buffered, and with fsync) and reads of one file.
+
+    Caches cannot be dropped here: the read follows the write and is served by the
+    page cache where the file fits, and the notes say so.
+    """
+    path = directory / "ucm-bench-disk.tmp"
+    chunk = memoryview(os.urandom(_CHUNK))
+    sink = bytearray(_CHUNK)
+
+    def write(sync: bool) -> None:
+        with open(path, "wb", buffering=0) as file:
+            for _ in range(nbytes // _CHUNK):
+                file.write(chunk)
+            if sync:
+                os.fsync(file.fileno())
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(sink):
+                pass
+
+    size = f"{nbytes >> 20} MiB file"
+    try:
+        buffered = best_rate(nbytes, lambda: write(False))
+        synced = best_rate(nbytes, lambda: write(True), repeats=2)
+        read_rate = best_rate(nbytes, read)
+    finally:
+        path.unlink(missing_ok=True)
+    return [
+        Rate("disk write (page cache)", buffered, size),
+        Rate("disk write+fsync", synced, size),
+        Rate("disk read", read_rate, f"{size}, warm page cache"),
+    ]
+
+
+def backend_rates(name: str, backend: Backend, block_bytes: int, count: int) -> tuple[Rate, Rate]:
+    """Measure saving then loading ``count`` blocks through a backend's batch API."""
+    rows = torch.randint(0, 255, (count, block_bytes), dtype=torch.uint8)
+    out = torch.zeros_like(rows)
+    keys: list[list[BlockKey]] = []
+
+    def dump() -> None:
+        batch = [BlockKey(os.urandom(32)) for _ in range(count)]
+        keys.append(batch)
+        assert all(backend.dump(batch, row_buffers(rows)).wait())
+
+    def load() -> None:
+        assert all(backend.load(keys[-1], row_buffers(out)).wait())
+
+    total = count * block_bytes
+    note = f"{count} blocks of {block_bytes >> 10} KiB"
+    return (
+        Rate(f"{name} save", best_rate(total, dump), note),
+        Rate(f"{name} load", best_rate(total, load), note),
+    )
+
+
+def paged_rates(block_bytes: int, count: int, num_blocks: int) -> tuple[Rate, Rate]:
+    """Measure gathering and scattering whole blocks of a CPU-layout paged KV tensor."""
+    heads, block_size = 8, 32
+    content = block_bytes // 2 // (heads * block_size * 4)  # Two layers of float32 pages.
+    layers = [
+        (f"layer.{i}", torch.randn(num_blocks, heads, block_size, content), 0) for i in range(2)
+    ]
+    paged = PagedKV(layers)
+    ids = torch.randperm(num_blocks)[:count]
+    rows = torch.empty((count, paged.block_bytes), dtype=torch.uint8)
+
+    def gather() -> None:
+        for layer in paged.layers:
+            paged.gather(layer, ids, rows)
+
+    def scatter() -> None:
+        for layer in paged.layers:
+            paged.scatter(layer, ids, rows)
+
+    total = count * paged.block_bytes
+    note = f"{count} random blocks of {paged.block_bytes >> 10} KiB, 2 layers"
+    return Rate("gather", best_rate(total, gather), note), Rate(
+        "scatter", best_rate(total, scatter), note
+    )
+
+
+def lookup_micros(
+    store_dir: Path, prompt_tokens: int, stored_blocks: int, block_size: int
+) -> dict[str, float]:
+    """Time the scheduler's work for one long prompt that is stored in full.
+
+    Args:
+        store_dir: Where to put a ``posix`` store holding the prompt's blocks.
+        prompt_tokens: Prompt length.
+        stored_blocks: Blocks in the DRAM index besides the prompt's.
+        block_size: Tokens per block.
+
+    Returns:
+        Microseconds to compute the prompt's keys and to find its stored prefix in a
+        DRAM mirror of ``stored_blocks`` blocks and in a ``posix`` store.
+    """
+    tokens = list(range(prompt_tokens))
+    started = time.perf_counter()
+    keys = KeyChain(b"\0" * 32, block_size).extend(tokens)
+    hashing = time.perf_counter() - started
+    mirror = MirroredTier(stored_blocks + len(keys))
+    for _ in range(stored_blocks):
+        mirror.admit(BlockKey(os.urandom(32)), step=0)
+    for key in keys:
+        mirror.admit(key, step=0)
+    posix = PosixBackend(store_dir / "lookup", 1 << 40)
+    payload = memoryview(bytearray(64))
+    posix.dump(keys, [payload] * len(keys)).wait()
+    timings = {"key hashing (us)": hashing * 1e6}
+    for name, tier in (("dram", mirror), ("posix", SharedTier(posix, 1))):
+        started = time.perf_counter()
+        found = stored_prefix(keys, [tier])
+        timings[f"{name} prefix lookup (us)"] = (time.perf_counter() - started) * 1e6
+        assert len(found) == len(keys)
+    shutil.rmtree(store_dir / "lookup", ignore_errors=True)
+    return timings
+
+
+def run(
+    store_dir: Path,
+    block_bytes: int = 1 << 20,
+    count: int = 256,
+    disk_bytes: int = 1 << 30,
+    index_blocks: int = 1_000_000,
+) -> dict[str, object]:
+    """Run every measurement and return them as one JSON-ready mapping.
+
+    Args:
+        store_dir: A scratch directory on the filesystem the ``posix`` tier would use.
+        block_bytes: Size of one stored block.
+        count: Blocks per batch.
+        disk_bytes: Size of the file for the raw disk measurements.
+        index_blocks: Blocks in the DRAM index the lookup is timed against.
+    """
+    store_dir.mkdir(parents=True, exist_ok=True)
+    total = block_bytes * count
+    rates = [memory_copy(total), *disk_sequential(store_dir, disk_bytes)]
+    rates += backend_rates("dram", DramBackend(4 * total), block_bytes, count)
+    posix_dir = store_dir / "posix"
+    rates += backend_rates("posix", PosixBackend(posix_dir, 4 * total), block_bytes, count)
+    shutil.rmtree(posix_dir, ignore_errors=True)
+    rates += paged_rates(block_bytes, min(count, 128), num_blocks=512)
+    rate = {entry.name: entry.gb_per_s for entry in rates}
+    ratios = {
+        "dram save / memory copy": rate["dram save"] / rate["memory copy"],
+        "dram load / memory copy": rate["dram load"] / rate["memory copy"],
+        "posix save / disk write (page cache)": rate["posix save"]
+        / rate["disk write (page cache)"],
+        "posix load / disk read": rate["posix load"] / rate["disk read"],
+    }
+    return {
+        "rates": [rate.__dict__ for rate in rates],
+        "ratios": ratios,
+        "lookup": lookup_micros(store_dir, 32 * 1024, index_blocks, 32),
+    }
+
+
+def markdown(results: dict[str, object]) -> str:
+    """Render :func:`run`'s results as a Markdown report."""
+    lines = ["| measurement | GB/s | conditions |", "| --- | ---: | --- |"]
+    rates = results["rates"]
+    assert isinstance(rates, list)
+    lines += [f"| {r['name']} | {r['gb_per_s']:.2f} | {r['note']} |" for r in rates]
+    ratios = results["ratios"]
+    assert isinstance(ratios, dict)
+    lines += ["", "| ratio | value |", "| --- | ---: |"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in ratios.items()]
+    lookup = results["lookup"]
+    assert isinstance(lookup, dict)
+    lines += ["", "| scheduler work, 32k-token prompt, 1M stored blocks | µs |", "| --- | ---: |"]
+    lines += [f"| {name.removesuffix(' (us)')} | {value:.0f} |" for name, value in lookup.items()]
+    return "\n".join(lines) + "\n"
