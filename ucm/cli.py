@@ -11,6 +11,15 @@ from pathlib import Path
 
 from ucm.config import default_settings
 
+MODEL_PRESETS = {
+    "tiny": "TINY",
+    "small": "SMALL",
+    "medium": "MEDIUM",
+    "large": "LARGE",
+    "kv-heavy": "KV_HEAVY",
+}
+"""``--model`` names of :mod:`ucm.testing.model`'s presets."""
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ucm`` command line.
@@ -28,15 +37,40 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--documents", type=int, default=3, help="documents to ask about")
     demo.add_argument("--document-tokens", type=int, default=1536, help="tokens per document")
     bench = commands.add_parser("bench", help="measure ucm next to the machine's limits")
-    bench.add_argument("suite", choices=["datapath"], help="which benchmark to run")
+    bench.add_argument("suite", choices=["datapath", "e2e"], help="which benchmark to run")
+    bench.add_argument("--model", choices=list(MODEL_PRESETS), default="medium", help="e2e model")
+    bench.add_argument("--documents", type=int, default=4, help="e2e: documents")
+    bench.add_argument("--document-tokens", type=int, default=2048, help="e2e: tokens each")
     bench.add_argument("--store-dir", type=Path, default=Path(".bench/store"), help="scratch")
     bench.add_argument("--results", type=Path, default=Path("bench-results"), help="output")
     bench.add_argument("--block-kib", type=int, default=1024, help="stored block size")
     bench.add_argument("--blocks", type=int, default=256, help="blocks per batch")
     args = parser.parse_args(argv)
-    if args.command == "bench":
+    if args.command == "bench" and args.suite == "datapath":
         return run_datapath_bench(args.store_dir, args.results, args.block_kib << 10, args.blocks)
+    if args.command == "bench":
+        return run_e2e_bench(args.store_dir.parent, args.results, args)
     return run_demo(args.workdir, args.documents, args.document_tokens)
+
+
+def run_e2e_bench(workdir: Path, results: Path, args: argparse.Namespace) -> int:
+    """Run the end-to-end benchmark; write ``e2e.json`` and ``e2e.md``.
+
+    Returns:
+        0 (the benchmark reports; it does not judge).
+    """
+    from ucm.bench import e2e
+    from ucm.testing import model
+
+    preset = getattr(model, MODEL_PRESETS[args.model])
+    workload = e2e.Workload(documents=args.documents, document_tokens=args.document_tokens)
+    measured = e2e.run(preset, workload, workdir.absolute() / "e2e")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "e2e.json").write_text(json.dumps(measured, indent=2))
+    report = e2e.markdown(measured)
+    (results / "e2e.md").write_text(report)
+    print(report)
+    return 0
 
 
 def run_datapath_bench(store_dir: Path, results: Path, block_bytes: int, blocks: int) -> int:

@@ -106,10 +106,9 @@ def chain_keys(
     keys: list[BlockKey] = []
     packed = array("q", token_ids[: num_blocks * block_size]).tobytes()
     width = block_size * 8
-    for index in range(num_blocks):
-        digest = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-        digest.update(packed[index * width : (index + 1) * width])
-        parent = digest.digest()
+    blake2b = hashlib.blake2b
+    for start in range(0, num_blocks * width, width):
+        parent = blake2b(parent + packed[start : start + width], digest_size=KEY_BYTES).digest()
         keys.append(BlockKey(parent))
     return keys
 
@@ -140,19 +139,23 @@ class KeyChain:
         self.keys: list[BlockKey] = []
         """Keys computed so far, one per full block from the start."""
 
-    def extend(self, token_ids: Sequence[int]) -> list[BlockKey]:
-        """Compute keys for every full block of ``token_ids`` not computed yet.
+    def extend(self, token_ids: Sequence[int], num_blocks: int | None = None) -> list[BlockKey]:
+        """Compute keys for the full blocks of ``token_ids`` not computed yet.
 
         Args:
             token_ids: The whole sequence so far (it only ever grows).
+            num_blocks: Stop after this many blocks (default: every full block).
 
         Returns:
-            All keys of the full blocks of ``token_ids``.
+            :attr:`keys` itself (not a copy), holding at least the requested blocks.
         """
-        done = len(self.keys)
         total = len(token_ids) // self._block_size
+        if num_blocks is not None:
+            total = min(total, num_blocks)
+        done = len(self.keys)
         if total > done:
             parent = self.keys[-1] if self.keys else self._root
             start = done * self._block_size
-            self.keys.extend(chain_keys(parent, token_ids[start:], self._block_size, total - done))
-        return self.keys[:total]
+            tokens = token_ids[start : total * self._block_size]
+            self.keys.extend(chain_keys(parent, tokens, self._block_size, total - done))
+        return self.keys

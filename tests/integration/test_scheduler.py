@@ -242,30 +242,31 @@ def test_dram_mirror_evicts_least_recently_used_blocks(tiny_model: str, tmp_path
         return [load.key for load in step.meta.loads]
 
     doc = prompt(3 * BLOCK + 1, seed=30)
-    step, a = phase("a", doc)  # Mirror (LRU first): a0 a1 a2
+    # Each chain used in a step is touched tail to head, so heads outlive tails.
+    step, a = phase("a", doc)  # Mirror (LRU first): a2 a1 a0
     assert (loaded(step), saved(step), step.meta.evictions) == ([], a[:3], {})
 
-    step, b = phase("b", doc[:BLOCK] + prompt(BLOCK + 1, seed=31))  # a1 a2 a0 b1
+    step, b = phase("b", doc[:BLOCK] + prompt(BLOCK + 1, seed=31))  # a2 a1 b1 a0
     assert b[0] == a[0]
     assert (loaded(step), saved(step), step.meta.evictions) == ([a[0]], [b[1]], {})
 
-    step, c = phase("c", prompt(2 * BLOCK + 1, seed=32))  # a0 b1 c0 c1: a0 was used in "b".
+    step, c = phase("c", prompt(2 * BLOCK + 1, seed=32))  # b1 a0 c1 c0: a0 was used in "b".
     assert (loaded(step), saved(step)) == ([], c[:2])
-    assert step.meta.evictions == {0: [a[1], a[2]]}
+    assert step.meta.evictions == {0: [a[2], a[1]]}
 
-    step, _ = phase("a-again", doc)  # c1 a0 a1 a2
+    step, _ = phase("a-again", doc)  # c0 a2 a1 a0
     assert (loaded(step), saved(step)) == ([a[0]], [a[1], a[2]])
-    assert step.meta.evictions == {0: [b[1], c[0]]}
+    assert step.meta.evictions == {0: [b[1], c[1]]}
 
     # Six new blocks but room for four: blocks of the current step are never evicted,
-    # so the last two are left out.
-    step, d = phase("d", prompt(6 * BLOCK + 1, seed=33))
+    # so the last two (the tail, useless without the head) are left out.
+    step, d = phase("d", prompt(6 * BLOCK + 1, seed=33))  # d3 d2 d1 d0
     assert (loaded(step), saved(step)) == ([], d[:4])
-    assert step.meta.evictions == {0: [c[1], a[0], a[1], a[2]]}
+    assert step.meta.evictions == {0: [c[0], a[2], a[1], a[0]]}
 
     step, _ = phase("a-evicted", doc)  # An evicted block is a miss again.
     assert (loaded(step), saved(step)) == ([], a[:3])
-    assert step.meta.evictions == {0: [d[0], d[1], d[2]]}
+    assert step.meta.evictions == {0: [d[3], d[2], d[1]]}  # Tail first: d0 survives.
     h.assert_no_leaks()
 
 

@@ -43,6 +43,8 @@ class Phase:
     """A file to wait for before starting (another process's signal)."""
     signal: str | None = None
     """A file to create once the phase is done."""
+    batch: bool = False
+    """Submit all prompts in one ``generate`` call (throughput) instead of one by one."""
 
 
 @dataclass
@@ -63,6 +65,10 @@ class EngineSpec:
     """Run vLLM's scheduler and worker in separate processes (production layout)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the engine process."""
+    kv_cache_bytes: int = 64 << 20
+    """Memory for vLLM's own paged KV cache."""
+    enable_prefix_caching: bool = True
+    """Whether vLLM's own prefix cache is on."""
 
 
 @dataclass
@@ -75,6 +81,8 @@ class PhaseResult:
     """Prompt tokens served from a cache (vLLM's own or ucm's)."""
     ttft_s: list[float]
     """Seconds from submitting the prompt to its first token."""
+    wall_s: float = 0.0
+    """Seconds the whole phase took."""
 
 
 def run_engine(spec: EngineSpec, workdir: Path, timeout: float = 600) -> list[PhaseResult]:
@@ -135,11 +143,11 @@ def _serve(workdir: Path) -> None:
         model=spec.model,
         dtype="float32",
         enforce_eager=True,
-        enable_prefix_caching=True,
+        enable_prefix_caching=spec.enable_prefix_caching,
         seed=0,
         max_model_len=spec.max_model_len,
         block_size=spec.block_size,
-        kv_cache_memory_bytes=64 << 20,
+        kv_cache_memory_bytes=spec.kv_cache_bytes,
         kv_transfer_config=transfer,
         disable_log_stats=False,
     )
@@ -150,19 +158,21 @@ def _serve(workdir: Path) -> None:
                 time.sleep(0.05)
         params = SamplingParams(temperature=0, max_tokens=phase.max_tokens, ignore_eos=True)
         result = PhaseResult(outputs=[], cached_tokens=[], ttft_s=[])
-        for prompt in phase.prompts:
+        batches = [phase.prompts] if phase.batch else [[prompt] for prompt in phase.prompts]
+        phase_started = time.perf_counter()
+        for batch in batches:
             if phase.reset_before_each:
                 llm.reset_prefix_cache()
+            prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in batch]
             started = time.perf_counter()
-            (output,) = llm.generate(
-                [TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
-            )
+            outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - started
-            metrics = output.metrics
-            latency = getattr(metrics, "first_token_latency", 0.0) if metrics else 0.0
-            result.outputs.append(list(output.outputs[0].token_ids))
-            result.cached_tokens.append(int(output.num_cached_tokens or 0))
-            result.ttft_s.append(float(latency) if latency else elapsed)
+            for output in outputs:
+                latency = getattr(output.metrics, "first_token_latency", 0.0)
+                result.outputs.append(list(output.outputs[0].token_ids))
+                result.cached_tokens.append(int(output.num_cached_tokens or 0))
+                result.ttft_s.append(float(latency) if latency else elapsed)
+        result.wall_s = time.perf_counter() - phase_started
         results.append(asdict(result))
         if phase.signal:
             Path(phase.signal).touch()

@@ -86,6 +86,39 @@ SMALL = ModelSpec(
     max_position_embeddings=4096,
 )
 """About 5.2 M parameters (21 MB on disk): more layers and heads per block of KV."""
+MEDIUM = ModelSpec(
+    hidden_size=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1536,
+    vocab_size=8192,
+    max_position_embeddings=8192,
+)
+"""About 30M parameters: prefill dominates on a CPU with 2k-token prompts."""
+LARGE = ModelSpec(
+    hidden_size=768,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=4,
+    intermediate_size=3072,
+    vocab_size=8192,
+    max_position_embeddings=8192,
+)
+"""About 110M parameters, for 4-8k-token prompts (slow on 2 cores)."""
+KV_HEAVY = ModelSpec(
+    hidden_size=512,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=256,
+    intermediate_size=512,
+    vocab_size=8192,
+    max_position_embeddings=8192,
+)
+"""Many wide KV heads and a thin MLP: ~64 KiB of KV per token for ~60 MFLOP, about 150x
+the KV bytes per prefill FLOP of a Llama-3-8B, so storage I/O weighs on a CPU about as
+much as it does for a large model on a GPU."""
 
 
 def build_model(spec: ModelSpec, root: Path) -> Path:

@@ -91,8 +91,8 @@ class UCMScheduler:
         state = self._state(request)
         if state is None or not self._load_enabled:
             return 0, False
-        keys = state.chain.extend(request.all_token_ids)
-        max_blocks = min(len(keys), (request.num_tokens - 1) // self._block_size)
+        max_blocks = (request.num_tokens - 1) // self._block_size
+        keys = state.chain.extend(request.all_token_ids, max_blocks)
         hit_tiers = stored_prefix(keys[:max_blocks], self._tiers)
         state.hit_tiers = hit_tiers
         state.lookup_computed_tokens = num_computed_tokens
@@ -123,11 +123,20 @@ class UCMScheduler:
         for state in loading:  # Pin every block read this step before anything may evict.
             for index in state.pending_load or ():
                 self._tiers[state.hit_tiers[index]].touch(state.chain.keys[index], step)
+        used: list[list[BlockKey]] = []  # Chains that loaded or saved blocks this step.
         for state in loading:
-            meta.loads.extend(self._plan_load(state, state.pending_load or range(0), step))
+            indices = state.pending_load or range(0)
+            meta.loads.extend(self._plan_load(state, indices, step))
+            used.append(state.chain.keys[: indices.stop])
             state.pending_load = None
         if self._save_enabled:
-            meta.saves.extend(self._plan_saves(scheduler_output, step))
+            meta.saves.extend(self._plan_saves(scheduler_output, step, used))
+        # A chain is useless past its first missing block, so eviction must eat tails
+        # first: touch each chain used this step from tail to head (head most recent).
+        for keys in used:
+            for key in reversed(keys):
+                for view in self._tiers:
+                    view.touch(key, step)
         for index, view in enumerate(self._tiers):
             evicted = view.take_evictions()
             if evicted:
@@ -165,7 +174,9 @@ class UCMScheduler:
             loads.append(BlockLoad(state.block_ids[index], key, source, promote))
         return loads
 
-    def _plan_saves(self, output: SchedulerOutput, step: int) -> list[BlockSave]:
+    def _plan_saves(
+        self, output: SchedulerOutput, step: int, used: list[list[BlockKey]]
+    ) -> list[BlockSave]:
         progress: list[tuple[str, int]] = []
         for new in output.scheduled_new_reqs:
             if (state := self._requests.get(new.req_id)) is not None:
@@ -189,8 +200,11 @@ class UCMScheduler:
             done = computed + output.num_scheduled_tokens.get(req_id, 0) - drafts
             tokens = state.request.all_token_ids
             full = min(done, len(tokens), len(state.block_ids) * self._block_size)
-            keys = state.chain.extend(tokens[: full - full % self._block_size])
-            for index in range(state.num_saved_blocks, len(keys)):
+            num_full = full // self._block_size
+            if num_full <= state.num_saved_blocks:
+                continue  # No block became full this step (most decode steps).
+            keys = state.chain.extend(tokens, num_full)[:num_full]
+            for index in range(state.num_saved_blocks, num_full):
                 key = keys[index]
                 if key in planned:
                     continue  # Requests sharing a prefix computed the same block this step.
@@ -198,5 +212,7 @@ class UCMScheduler:
                 tiers = tuple(t for t, view in enumerate(self._tiers) if view.admit(key, step))
                 if tiers:
                     saves.append(BlockSave(state.block_ids[index], key, tiers))
+            if len(keys) > state.num_saved_blocks:
+                used.append(keys)
             state.num_saved_blocks = max(state.num_saved_blocks, len(keys))
         return saves

@@ -1,0 +1,35 @@
+"""The end-to-end benchmark runs every system on the tiny model and they all agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ucm.bench import e2e
+from ucm.testing.model import TINY
+
+pytestmark = pytest.mark.engine
+
+
+def test_every_system_answers_alike_and_ucm_hits(tmp_path: Path) -> None:
+    workload = e2e.Workload(
+        documents=2,
+        document_tokens=256,
+        questions=2,
+        question_tokens=48,  # Crosses a block boundary: whole-prompt matching misses.
+        output_tokens=4,
+        no_reuse_prompts=2,
+        no_reuse_batches=1,
+    )
+    results = e2e.run(TINY, workload, tmp_path)
+    assert results["targets"]["outputs identical across systems"] is True
+    by_name = {system["system"]: system for system in results["systems"]}
+    assert by_name["recompute"]["cached_tokens"]["new question"] == 0
+    for name in ("ucm dram", "ucm posix", "ucm dram+posix"):
+        # Each new question reuses its document's 8 full blocks.
+        assert by_name[name]["cached_tokens"]["new question"] == 2 * 256
+    assert by_name["ExampleConnector"]["cached_tokens"]["new question"] == 0
+    assert by_name["ExampleConnector"]["cached_tokens"]["exact repeat"] > 0
+    assert by_name["ucm posix"]["store_bytes"] > 0
+    assert "| ucm dram+posix |" in e2e.markdown(results)
