@@ -21,7 +21,8 @@ import yaml
 CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 """The inline key whose value is the path of a YAML configuration file."""
 
-_TOP_LEVEL_KEYS = frozenset({"tiers", "model_id"})
+_TOP_LEVEL_KEYS = frozenset({"tiers", "model_id", "max_pending_write_bytes"})
+_DEFAULT_MAX_PENDING_WRITE_BYTES = 512 << 20
 _TIER_COMMON_KEYS = frozenset({"backend", "capacity"})
 _SIZE_UNITS = {
     "": 1,
@@ -68,6 +69,9 @@ class UCMConfig:
     """Model identity mixed into every key. ``None`` uses the model name or path that
     vLLM was given; set it to share a store between engines that load the same
     weights from different paths."""
+    max_pending_write_bytes: int = _DEFAULT_MAX_PENDING_WRITE_BYTES
+    """Saved bytes that may wait for a background write to a persistent tier (per
+    worker); a step waits for writes only when this much is pending."""
 
 
 def default_cache_dir() -> Path:
@@ -168,7 +172,12 @@ def parse_config(extra_config: Mapping[str, Any] | None) -> UCMConfig:
     if not isinstance(raw_tiers, list) or not raw_tiers:
         raise ConfigError(f"tiers: expected a non-empty list of tiers, got {raw_tiers!r}")
     tiers = tuple(_parse_tier(raw, f"tiers[{index}]") for index, raw in enumerate(raw_tiers))
-    return UCMConfig(tiers=tiers, model_id=model_id)
+    pending = settings.get("max_pending_write_bytes", _DEFAULT_MAX_PENDING_WRITE_BYTES)
+    return UCMConfig(
+        tiers=tiers,
+        model_id=model_id,
+        max_pending_write_bytes=parse_size(pending, "max_pending_write_bytes"),
+    )
 
 
 def _parse_tier(raw: object, key: str) -> TierConfig:

@@ -173,10 +173,24 @@ def _serve(workdir: Path) -> None:
                 result.cached_tokens.append(int(output.num_cached_tokens or 0))
                 result.ttft_s.append(float(latency) if latency else elapsed)
         result.wall_s = time.perf_counter() - phase_started
+        _flush_connector()
         results.append(asdict(result))
         if phase.signal:
             Path(phase.signal).touch()
     (workdir / "result.json").write_text(json.dumps(results))
+
+
+def _flush_connector() -> None:
+    """Wait for ucm's background writes, so that the next phase sees every saved block.
+
+    Only possible where the worker runs in this process (single-process mode).
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        flush = getattr(get_kv_transfer_group(), "flush_saves", None)
+        if flush is not None:
+            flush()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ backend's layout inside a page, so no code here knows where K, V or tokens are.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -162,6 +163,32 @@ class StagingBuffer:
                 (capacity, self._block_bytes), dtype=torch.uint8, pin_memory=self._pin
             )
         return self._tensor[:count]
+
+
+class StagingPool:
+    """Host staging tensors handed out per step and returned once their writes finish."""
+
+    def __init__(self, block_bytes: int, pin: bool) -> None:
+        self._block_bytes = block_bytes
+        self._pin = pin
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, count: int) -> torch.Tensor:
+        """Return a uint8 tensor of at least ``count`` rows of ``block_bytes``.
+
+        Nobody else uses it until it is given back with :meth:`release`.
+        """
+        with self._lock:
+            for index, tensor in enumerate(self._free):
+                if tensor.shape[0] >= count:
+                    return self._free.pop(index)
+        return torch.empty((count, self._block_bytes), dtype=torch.uint8, pin_memory=self._pin)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Give back a tensor from :meth:`acquire` (callable from any thread)."""
+        with self._lock:
+            self._free.append(tensor)
 
 
 def row_buffers(rows: torch.Tensor) -> list[memoryview]:

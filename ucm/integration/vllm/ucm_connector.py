@@ -124,6 +124,10 @@ class UCMConnector(KVConnectorBase_V1):
         """Return the blocks whose load failed since the last call."""
         return self._worker_half().take_load_errors()
 
+    def flush_saves(self) -> None:
+        """Block until this worker's background writes to persistent tiers have finished."""
+        self._worker_half().flush()
+
     def shutdown(self) -> None:
         """Close the tiers."""
         if self._worker is not None:

@@ -9,6 +9,7 @@ their tiers before the step ends.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,8 @@ from ucm.integration.vllm.model_info import estimated_block_bytes, num_shards
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey
 from ucm.store.registry import backend_class
-from ucm.transfer.paged import PagedKV, StagingBuffer, find_block_dim, row_buffers
+from ucm.transfer.paged import PagedKV, StagingBuffer, StagingPool, find_block_dim, row_buffers
+from ucm.transfer.writer import BackgroundWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,7 +63,9 @@ class UCMWorker:
         self._paged: PagedKV | None = None
         self._tiers: list[Backend] = []
         self._load_rows: StagingBuffer | None = None
-        self._save_rows: StagingBuffer | None = None
+        self._save_pool: StagingPool | None = None
+        self._save_rows: torch.Tensor | None = None  # This step's, until its writes finish.
+        self._writer = BackgroundWriter(config.max_pending_write_bytes)
         self._meta = UCMConnectorMetadata()
         self._save_block_ids: torch.Tensor | None = None
         self._gathered: set[str] = set()
@@ -78,7 +82,7 @@ class UCMWorker:
         self._paged = paged = PagedKV(layers)
         pin = paged.device.type == "cuda"
         self._load_rows = StagingBuffer(paged.block_bytes, pin)
-        self._save_rows = StagingBuffer(paged.block_bytes, pin)
+        self._save_pool = StagingPool(paged.block_bytes, pin)
         self._tiers = [self._open_tier(tier, paged.block_bytes) for tier in self._config.tiers]
         logger.info(
             "ucm: %d KV layers, %d bytes per block, tiers %s",
@@ -95,9 +99,12 @@ class UCMWorker:
         self._save_block_ids = None
 
     def clear(self) -> None:
-        """Drop this step's instructions."""
+        """Drop this step's instructions (and its staging rows, if nobody writes them)."""
         self._meta = UCMConnectorMetadata()
         self._save_block_ids = None
+        if self._save_rows is not None and self._save_pool is not None:
+            self._save_pool.release(self._save_rows)
+        self._save_rows = None
 
     def start_load_kv(self) -> None:
         """Delete evicted blocks, then load this step's blocks into the paged buffer."""
@@ -106,6 +113,7 @@ class UCMWorker:
         loads = self._meta.loads
         if not loads or self._paged is None or self._load_rows is None:
             return
+        self._writer.wait_for([self._shard_key(load.key) for load in loads])
         rows = self._load_rows.rows(len(loads))
         buffers = row_buffers(rows)
         ok = [False] * len(loads)
@@ -136,33 +144,61 @@ class UCMWorker:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Copy this layer's pages of the blocks being saved, now that it wrote them."""
-        if not self._meta.saves or self._paged is None or self._save_rows is None:
+        saves = self._meta.saves
+        if not saves or self._paged is None or self._save_pool is None:
             return
         layer = self._paged.layer(layer_name)
         if layer is None or layer_name in self._gathered:
             return
-        if self._save_block_ids is None:
-            ids = [save.block_id for save in self._meta.saves]
+        if self._save_rows is None or self._save_block_ids is None:
+            self._save_rows = self._save_pool.acquire(len(saves))
+            ids = [save.block_id for save in saves]
             self._save_block_ids = torch.tensor(ids, device=self._paged.device)
-        rows = self._save_rows.rows(len(self._meta.saves))
-        self._paged.gather(layer, self._save_block_ids, rows)
+        self._paged.gather(layer, self._save_block_ids, self._save_rows[: len(saves)])
         self._gathered.add(layer_name)
 
     def wait_for_save(self) -> None:
-        """Finish copying saved blocks out and write them to their tiers."""
+        """Finish copying saved blocks out, then write them to their tiers.
+
+        In-memory tiers are written now; persistent tiers (disk, remote) in the
+        background, from staging rows that stay reserved until their writes finish.
+        The paged blocks themselves are free for vLLM to reuse when this returns.
+        """
         saves = self._meta.saves
-        if not saves or self._paged is None or self._save_rows is None:
+        if not saves or self._paged is None:
             return
         for layer in self._paged.layers:
             self.save_kv_layer(layer.name)
-        buffers = row_buffers(self._save_rows.rows(len(saves)))
+        rows, self._save_rows = self._save_rows, None
+        assert rows is not None and self._save_pool is not None
+        buffers = row_buffers(rows[: len(saves)])
         by_tier: dict[int, list[int]] = defaultdict(list)
         for index, save in enumerate(saves):
             for tier in save.tiers:
                 by_tier[tier].append(index)
+        background = [t for t in by_tier if self._tiers[t].capabilities.persistent]
         for tier, indices in by_tier.items():
-            self._write(tier, indices, [saves[i].key for i in indices], buffers)
-        self._meta = UCMConnectorMetadata(evictions={}, loads=[], saves=[])
+            if tier not in background:
+                self._write(tier, indices, [saves[i].key for i in indices], buffers)
+        self._meta = UCMConnectorMetadata()
+        if not background:
+            self._save_pool.release(rows)
+            return
+        remaining = [len(background)]
+        lock = threading.Lock()
+        pool = self._save_pool
+
+        def release_when_all_done() -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    pool.release(rows)
+
+        for tier in background:
+            indices = by_tier[tier]
+            keys = [self._shard_key(saves[i].key) for i in indices]
+            chosen = [buffers[i] for i in indices]
+            self._writer.submit(self._tiers[tier], keys, chosen, release_when_all_done)
 
     def fail_pending_loads(self) -> None:
         """Report every load of this step as failed (after an unexpected error)."""
@@ -173,8 +209,13 @@ class UCMWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def flush(self) -> None:
+        """Block until every background write has finished."""
+        self._writer.flush()
+
     def close(self) -> None:
-        """Close every tier."""
+        """Finish background writes, then close every tier."""
+        self._writer.close()
         for tier in self._tiers:
             tier.close()
         self._tiers = []

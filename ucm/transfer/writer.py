@@ -1,0 +1,110 @@
+"""Write-behind for slow tiers: store writes run on a bounded background thread pool.
+
+The worker copies a step's blocks out of vLLM's paged buffer into staging memory
+within the step, so vLLM may reuse those blocks at once; writing the staging memory
+to a disk or remote tier then happens here, off the step's critical path. Pending
+bytes are bounded (a step waits only when the bound is reached), a read of a key
+first waits for that key's pending write, and ``flush`` waits for everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ucm.store.base import Backend, BlockKey, Buffer
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundWriter:
+    """Runs ``Backend.dump`` calls on background threads, with bounded pending bytes."""
+
+    def __init__(self, max_pending_bytes: int, threads: int = 2) -> None:
+        """Start the pool.
+
+        Args:
+            max_pending_bytes: Bytes that may wait to be written before ``submit`` blocks.
+            threads: Concurrent writes.
+        """
+        self._max_pending = max_pending_bytes
+        self._pending_bytes = 0
+        self._pending: dict[BlockKey, Future[int]] = {}
+        self._done = threading.Condition()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucm-writer")
+        self.failed_blocks = 0
+        """Blocks whose background write failed since start (they are future misses)."""
+
+    def submit(
+        self,
+        backend: Backend,
+        keys: Sequence[BlockKey],
+        buffers: Sequence[Buffer],
+        on_done: Callable[[], None],
+    ) -> None:
+        """Write blocks in the background; the buffers must stay valid until ``on_done``.
+
+        Blocks (backpressure) while more than ``max_pending_bytes`` are waiting.
+
+        Args:
+            backend: The tier to write.
+            keys: The keys to write.
+            buffers: One payload per key.
+            on_done: Called on a writer thread once the write finished, failed or not.
+        """
+        nbytes = sum(buffer.nbytes for buffer in buffers)
+        with self._done:
+            self._done.wait_for(lambda: self._pending_bytes == 0 or self._fits(nbytes))
+            self._pending_bytes += nbytes
+            future = self._pool.submit(self._write, backend, list(keys), list(buffers))
+            for key in keys:
+                self._pending[key] = future
+        future.add_done_callback(lambda _: self._finish(keys, future, nbytes, on_done))
+
+    def wait_for(self, keys: Sequence[BlockKey]) -> None:
+        """Block until no write of any of ``keys`` is pending."""
+        with self._done:
+            futures = {self._pending[key] for key in keys if key in self._pending}
+        for future in futures:
+            future.exception()  # Waits; failures were already counted and logged.
+
+    def flush(self) -> None:
+        """Block until every submitted write has finished."""
+        with self._done:
+            self._done.wait_for(lambda: self._pending_bytes == 0)
+
+    def close(self) -> None:
+        """Finish pending writes and stop the threads."""
+        self._pool.shutdown(wait=True)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._pending_bytes + nbytes <= self._max_pending
+
+    @staticmethod
+    def _write(backend: Backend, keys: list[BlockKey], buffers: list[Buffer]) -> int:
+        """Write one batch; return how many blocks failed."""
+        return backend.dump(keys, buffers).wait().count(False)
+
+    def _finish(
+        self,
+        keys: Sequence[BlockKey],
+        future: Future[int],
+        nbytes: int,
+        on_done: Callable[[], None],
+    ) -> None:
+        error = future.exception()
+        failed = len(keys) if error is not None else future.result()
+        if failed:
+            logger.warning(
+                "ucm: %d of %d background block writes failed (%r)", failed, len(keys), error
+            )
+        on_done()
+        with self._done:
+            self.failed_blocks += failed
+            for key in keys:
+                if self._pending.get(key) is future:
+                    del self._pending[key]
+            self._pending_bytes -= nbytes
+            self._done.notify_all()
