@@ -65,11 +65,7 @@ def run_e2e_bench(workdir: Path, results: Path, args: argparse.Namespace) -> int
     preset = getattr(model, MODEL_PRESETS[args.model])
     workload = e2e.Workload(documents=args.documents, document_tokens=args.document_tokens)
     measured = e2e.run(preset, workload, workdir.absolute() / "e2e")
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "e2e.json").write_text(json.dumps(measured, indent=2))
-    report = e2e.markdown(measured)
-    (results / "e2e.md").write_text(report)
-    print(report)
+    _write_report(results, "e2e", measured, e2e.markdown(measured))
     return 0
 
 
@@ -82,12 +78,16 @@ def run_datapath_bench(store_dir: Path, results: Path, block_bytes: int, blocks:
     from ucm.bench import datapath
 
     measured = datapath.run(store_dir, block_bytes, blocks)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "datapath.json").write_text(json.dumps(measured, indent=2))
-    report = datapath.markdown(measured)
-    (results / "datapath.md").write_text(report)
-    print(report)
+    _write_report(results, "datapath", measured, datapath.markdown(measured))
     return 0
+
+
+def _write_report(results: Path, name: str, measured: dict[str, object], report: str) -> None:
+    """Write ``name.json`` and ``name.md`` into ``results`` and print the report."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(measured, indent=2))
+    (results / f"{name}.md").write_text(report)
+    print(report)
 
 
 def run_demo(workdir: Path, documents: int, document_tokens: int) -> int:

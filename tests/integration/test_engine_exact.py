@@ -64,6 +64,14 @@ def assert_exact_with_hits(
     assert all(tokens > 0 for tokens in cached)
 
 
+def save_cold_prompts(tiny_model: str, tmp_path: Path) -> Path:
+    """Run the cold prompts in an engine with a posix tier; return the store directory."""
+    store = tmp_path / "store"
+    spec = EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, ucm("posix", store))
+    run_engine(spec, tmp_path / "writer")
+    return store
+
+
 def cold_then_warm() -> list[Phase]:
     return [Phase(WORKLOAD.cold), Phase(WORKLOAD.warm, reset_before_each=True)]
 
@@ -146,10 +154,7 @@ def test_two_live_engines_share_one_directory(
 def test_negative_control_corrupted_kv_changes_outputs(
     tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:
-    store = tmp_path / "store"
-    run_engine(
-        EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, ucm("posix", store)), tmp_path / "writer"
-    )
+    store = save_cold_prompts(tiny_model, tmp_path)
     rng = random.Random(0)
     blocks = sorted(store.rglob("*.blk"))
     assert blocks
@@ -200,10 +205,7 @@ def test_workload_expectations_are_not_trivial() -> None:
 def test_damaged_blocks_are_recomputed_exactly(
     tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:
-    store = tmp_path / "store"
-    run_engine(
-        EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, ucm("posix", store)), tmp_path / "w"
-    )
+    store = save_cold_prompts(tiny_model, tmp_path)
     blocks = sorted(store.rglob("*.blk"))
     for path in blocks[::2]:  # Still listed, so lookups hit; reads find them torn.
         with path.open("r+b") as handle:
