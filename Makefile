@@ -31,6 +31,7 @@ quick: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m ucm bench datapath --results bench-results
+	$(PY) -m ucm bench e2e --model medium --results bench-results
 
 clean:
 	rm -rf $(VENV) .demo .bench
