@@ -108,8 +108,7 @@ class UCMWorker:
 
     def start_load_kv(self) -> None:
         """Delete evicted blocks, then load this step's blocks into the paged buffer."""
-        for tier, keys in self._meta.evictions.items():
-            self._tiers[tier].delete([self._shard_key(key) for key in keys])
+        self._apply_evictions()
         loads = self._meta.loads
         if not loads or self._paged is None or self._load_rows is None:
             return
@@ -169,6 +168,7 @@ class UCMWorker:
             return
         for layer in self._paged.layers:
             self.save_kv_layer(layer.name)
+        self._apply_evictions()  # Before any write, whichever hook vLLM calls first.
         rows, self._save_rows = self._save_rows, None
         assert rows is not None and self._save_pool is not None
         buffers = row_buffers(rows[: len(saves)])
@@ -219,6 +219,16 @@ class UCMWorker:
         for tier in self._tiers:
             tier.close()
         self._tiers = []
+
+    def _apply_evictions(self) -> None:
+        """Delete the blocks the scheduler evicted this step (once per step).
+
+        The scheduler sized this step's writes to fit after these deletions, so they
+        must come first for the tiers to hold exactly what its mirror says.
+        """
+        for tier, keys in self._meta.evictions.items():
+            self._tiers[tier].delete([self._shard_key(key) for key in keys])
+        self._meta.evictions = {}
 
     def _ensure_registered(self) -> None:
         """Find the KV tensors in the forward context when nobody registered them."""
