@@ -41,15 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--model", choices=list(MODEL_PRESETS), default="medium", help="e2e model")
     bench.add_argument("--documents", type=int, default=4, help="e2e: documents")
     bench.add_argument("--document-tokens", type=int, default=2048, help="e2e: tokens each")
-    bench.add_argument("--store-dir", type=Path, default=Path(".bench/store"), help="scratch")
+    bench.add_argument(
+        "--scratch",
+        type=Path,
+        default=Path(".bench"),
+        help="models and stores (on the disk to test)",
+    )
     bench.add_argument("--results", type=Path, default=Path("bench-results"), help="output")
     bench.add_argument("--block-kib", type=int, default=1024, help="stored block size")
     bench.add_argument("--blocks", type=int, default=256, help="blocks per batch")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.suite == "datapath":
-        return run_datapath_bench(args.store_dir, args.results, args.block_kib << 10, args.blocks)
+        store = args.scratch / "store"
+        return run_datapath_bench(store, args.results, args.block_kib << 10, args.blocks)
     if args.command == "bench":
-        return run_e2e_bench(args.store_dir.parent, args.results, args)
+        return run_e2e_bench(args.scratch / "e2e", args.results, args)
     return run_demo(args.workdir, args.documents, args.document_tokens)
 
 
@@ -64,7 +70,7 @@ def run_e2e_bench(workdir: Path, results: Path, args: argparse.Namespace) -> int
 
     preset = getattr(model, MODEL_PRESETS[args.model])
     workload = e2e.Workload(documents=args.documents, document_tokens=args.document_tokens)
-    measured = e2e.run(preset, workload, workdir.absolute() / "e2e")
+    measured = e2e.run(preset, workload, workdir.absolute())
     _write_report(results, "e2e", measured, e2e.markdown(measured))
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucm.transfer.paged import PagedKV, StagingBuffer, find_block_dim, row_buffers
+from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_buffers
 
 LAYOUTS = {
     "cpu [blocks, heads, tokens, 2*head]": (0, lambda: torch.randn(64, 4, 32, 16)),
@@ -25,7 +25,7 @@ def test_round_trip_copies_exactly_the_chosen_blocks(layout: str) -> None:
     source = PagedKV([("layer.0", make(), dim), ("layer.1", make(), dim)])
     target = PagedKV([(f"layer.{i}", torch.zeros_like(make()), dim) for i in range(2)])
     ids = torch.tensor([5, 3, 17, 40])
-    rows = StagingBuffer(source.block_bytes, pin=False).rows(len(ids))
+    rows = StagingPool(source.block_bytes, pin=False).acquire(len(ids))[: len(ids)]
     for layer in source.layers:
         source.gather(layer, ids, rows)
     for layer in target.layers:
@@ -65,3 +65,13 @@ def test_block_dimension_comes_from_the_backend_or_the_block_count() -> None:
     assert find_block_dim(torch.empty(3, 10, 7), None, num_blocks=10) == 1
     with pytest.raises(ValueError, match="block dimension"):
         find_block_dim(torch.empty(10, 10), None, num_blocks=10)
+
+
+def test_staging_pool_reuses_released_tensors() -> None:
+    pool = StagingPool(block_bytes=64, pin=False)
+    first = pool.acquire(4)
+    assert tuple(first.shape) == (4, 64)
+    assert pool.acquire(2) is not first  # Still in use: a new tensor.
+    pool.release(first)
+    assert pool.acquire(3) is first  # Large enough: reused, no fresh pages.
+    assert tuple(pool.acquire(8).shape) == (8, 64)

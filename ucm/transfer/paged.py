@@ -147,26 +147,12 @@ class PagedKV:
         return scratch[:numel].view(count, *shape)
 
 
-class StagingBuffer:
-    """Reusable host memory for a step's blocks (pinned when the KV is on a GPU)."""
-
-    def __init__(self, block_bytes: int, pin: bool) -> None:
-        self._block_bytes = block_bytes
-        self._pin = pin
-        self._tensor = torch.empty((0, block_bytes), dtype=torch.uint8)
-
-    def rows(self, count: int) -> torch.Tensor:
-        """Return ``[count, block_bytes]`` uint8 rows, growing the buffer when needed."""
-        if count > self._tensor.shape[0]:
-            capacity = max(count, 2 * self._tensor.shape[0])
-            self._tensor = torch.empty(
-                (capacity, self._block_bytes), dtype=torch.uint8, pin_memory=self._pin
-            )
-        return self._tensor[:count]
-
-
 class StagingPool:
-    """Host staging tensors handed out per step and returned once their writes finish."""
+    """Reusable host staging tensors (pinned when the KV is on a GPU).
+
+    A step's loads return theirs at once; a step's saves keep theirs until their
+    background writes finish. Reusing tensors avoids faulting in fresh pages each step.
+    """
 
     def __init__(self, block_bytes: int, pin: bool) -> None:
         self._block_bytes = block_bytes

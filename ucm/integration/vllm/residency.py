@@ -15,6 +15,10 @@ from collections.abc import Sequence
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey
 
+_MISS = 1 << 30
+"""Tier index of a block no tier holds: larger than any real index, so that a real tier
+always compares as faster."""
+
 
 def stored_prefix(keys: Sequence[BlockKey], tiers: Sequence[TierView]) -> list[int]:
     """Find the longest prefix of blocks that the tiers hold.
@@ -47,9 +51,6 @@ def stored_prefix(keys: Sequence[BlockKey], tiers: Sequence[TierView]) -> list[i
             break
         found.append(tier)
     return found
-
-
-_MISS = 1 << 30  # Larger than any tier index, so that min() picks a real tier.
 
 
 class TierView(abc.ABC):

@@ -119,13 +119,16 @@ class UCMScheduler:
         """Turn this step's decisions into the worker half's instructions."""
         step = next(self._steps)
         meta = UCMConnectorMetadata()
-        loading = [state for state in self._requests.values() if state.pending_load is not None]
-        for state in loading:  # Pin every block read this step before anything may evict.
-            for index in state.pending_load or ():
+        loading = [
+            (state, state.pending_load)
+            for state in self._requests.values()
+            if state.pending_load is not None
+        ]
+        for state, indices in loading:  # Pin every block read this step before any eviction.
+            for index in indices:
                 self._tiers[state.hit_tiers[index]].touch(state.chain.keys[index], step)
         used: list[list[BlockKey]] = []  # Chains that loaded or saved blocks this step.
-        for state in loading:
-            indices = state.pending_load or range(0)
+        for state, indices in loading:
             meta.loads.extend(self._plan_load(state, indices, step))
             used.append(state.chain.keys[: indices.stop])
             state.pending_load = None

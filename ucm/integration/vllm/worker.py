@@ -22,7 +22,7 @@ from ucm.integration.vllm.model_info import estimated_block_bytes, num_shards
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey
 from ucm.store.registry import backend_class
-from ucm.transfer.paged import PagedKV, StagingBuffer, StagingPool, find_block_dim, row_buffers
+from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_buffers
 from ucm.transfer.writer import BackgroundWriter
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ class UCMWorker:
         self._shard = _shard_index() if self._num_shards > 1 else 0
         self._paged: PagedKV | None = None
         self._tiers: list[Backend] = []
-        self._load_rows: StagingBuffer | None = None
-        self._save_pool: StagingPool | None = None
+        self._staging: StagingPool | None = None
         self._save_rows: torch.Tensor | None = None  # This step's, until its writes finish.
         self._writer = BackgroundWriter(config.max_pending_write_bytes)
         self._meta = UCMConnectorMetadata()
@@ -81,8 +80,7 @@ class UCMWorker:
             layers.append((name, tensor, find_block_dim(tensor, backend, num_blocks)))
         self._paged = paged = PagedKV(layers)
         pin = paged.device.type == "cuda"
-        self._load_rows = StagingBuffer(paged.block_bytes, pin)
-        self._save_pool = StagingPool(paged.block_bytes, pin)
+        self._staging = StagingPool(paged.block_bytes, pin)
         self._tiers = [self._open_tier(tier, paged.block_bytes) for tier in self._config.tiers]
         logger.info(
             "ucm: %d KV layers, %d bytes per block, tiers %s",
@@ -102,18 +100,27 @@ class UCMWorker:
         """Drop this step's instructions (and its staging rows, if nobody writes them)."""
         self._meta = UCMConnectorMetadata()
         self._save_block_ids = None
-        if self._save_rows is not None and self._save_pool is not None:
-            self._save_pool.release(self._save_rows)
+        if self._save_rows is not None and self._staging is not None:
+            self._staging.release(self._save_rows)
         self._save_rows = None
 
     def start_load_kv(self) -> None:
         """Delete evicted blocks, then load this step's blocks into the paged buffer."""
         self._apply_evictions()
         loads = self._meta.loads
-        if not loads or self._paged is None or self._load_rows is None:
+        if not loads or self._staging is None:
             return
         self._writer.wait_for([self._shard_key(load.key) for load in loads])
-        rows = self._load_rows.rows(len(loads))
+        staging = self._staging.acquire(len(loads))
+        try:
+            self._load(staging[: len(loads)])
+        finally:
+            self._staging.release(staging)
+
+    def _load(self, rows: torch.Tensor) -> None:
+        """Read this step's blocks into ``rows``, scatter them, then promote them."""
+        assert self._paged is not None
+        loads = self._meta.loads
         buffers = row_buffers(rows)
         ok = [False] * len(loads)
         by_tier: dict[int, list[int]] = defaultdict(list)
@@ -144,13 +151,13 @@ class UCMWorker:
     def save_kv_layer(self, layer_name: str) -> None:
         """Copy this layer's pages of the blocks being saved, now that it wrote them."""
         saves = self._meta.saves
-        if not saves or self._paged is None or self._save_pool is None:
+        if not saves or self._paged is None or self._staging is None:
             return
         layer = self._paged.layer(layer_name)
         if layer is None or layer_name in self._gathered:
             return
         if self._save_rows is None or self._save_block_ids is None:
-            self._save_rows = self._save_pool.acquire(len(saves))
+            self._save_rows = self._staging.acquire(len(saves))
             ids = [save.block_id for save in saves]
             self._save_block_ids = torch.tensor(ids, device=self._paged.device)
         self._paged.gather(layer, self._save_block_ids, self._save_rows[: len(saves)])
@@ -170,7 +177,7 @@ class UCMWorker:
             self.save_kv_layer(layer.name)
         self._apply_evictions()  # Before any write, whichever hook vLLM calls first.
         rows, self._save_rows = self._save_rows, None
-        assert rows is not None and self._save_pool is not None
+        assert rows is not None and self._staging is not None
         buffers = row_buffers(rows[: len(saves)])
         by_tier: dict[int, list[int]] = defaultdict(list)
         for index, save in enumerate(saves):
@@ -182,11 +189,11 @@ class UCMWorker:
                 self._write(tier, indices, [saves[i].key for i in indices], buffers)
         self._meta = UCMConnectorMetadata()
         if not background:
-            self._save_pool.release(rows)
+            self._staging.release(rows)
             return
         remaining = [len(background)]
         lock = threading.Lock()
-        pool = self._save_pool
+        pool = self._staging
 
         def release_when_all_done() -> None:
             with lock:
