@@ -72,6 +72,10 @@ def run_e2e_bench(workdir: Path, results: Path, args: argparse.Namespace) -> int
     workload = e2e.Workload(documents=args.documents, document_tokens=args.document_tokens)
     measured = e2e.run(preset, workload, workdir.absolute())
     _write_report(results, "e2e", measured, e2e.markdown(measured))
+    if e2e.plot(measured, results / "e2e-ttft.png"):
+        print(f"plot: {results / 'e2e-ttft.png'}")
+    else:
+        print("plot skipped: install matplotlib (pip install 'ucm[bench]') for e2e-ttft.png")
     return 0
 
 

@@ -21,8 +21,11 @@ import yaml
 CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 """The inline key whose value is the path of a YAML configuration file."""
 
-_TOP_LEVEL_KEYS = frozenset({"tiers", "model_id", "max_pending_write_bytes"})
+_TOP_LEVEL_KEYS = frozenset(
+    {"tiers", "model_id", "max_pending_write_bytes", "io_threads", "in_place"}
+)
 _DEFAULT_MAX_PENDING_WRITE_BYTES = 512 << 20
+_DEFAULT_IO_THREADS = 4
 _TIER_COMMON_KEYS = frozenset({"backend", "capacity"})
 _SIZE_UNITS = {
     "": 1,
@@ -72,6 +75,12 @@ class UCMConfig:
     max_pending_write_bytes: int = _DEFAULT_MAX_PENDING_WRITE_BYTES
     """Saved bytes that may wait for a background write to a persistent tier (per
     worker); a step waits for writes only when this much is pending."""
+    io_threads: int = _DEFAULT_IO_THREADS
+    """Threads per worker that read blocks from the tiers in parallel (and as many
+    that write to persistent tiers in the background)."""
+    in_place: bool = True
+    """Let stores read and write vLLM's KV pages directly where each page is contiguous
+    host memory; False copies every block through staging memory, as on a GPU."""
 
 
 def default_cache_dir() -> Path:
@@ -173,10 +182,18 @@ def parse_config(extra_config: Mapping[str, Any] | None) -> UCMConfig:
         raise ConfigError(f"tiers: expected a non-empty list of tiers, got {raw_tiers!r}")
     tiers = tuple(_parse_tier(raw, f"tiers[{index}]") for index, raw in enumerate(raw_tiers))
     pending = settings.get("max_pending_write_bytes", _DEFAULT_MAX_PENDING_WRITE_BYTES)
+    io_threads = settings.get("io_threads", _DEFAULT_IO_THREADS)
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+        raise ConfigError(f"io_threads: expected a positive integer, got {io_threads!r}")
+    in_place = settings.get("in_place", True)
+    if not isinstance(in_place, bool):
+        raise ConfigError(f"in_place: expected true or false, got {in_place!r}")
     return UCMConfig(
         tiers=tiers,
+        in_place=in_place,
         model_id=model_id,
         max_pending_write_bytes=parse_size(pending, "max_pending_write_bytes"),
+        io_threads=io_threads,
     )
 
 

@@ -119,7 +119,7 @@ class Harness:
     def put(self, keys: Sequence[BlockKey]) -> None:
         """Store a block under each key, as another engine would have."""
         assert self.store is not None
-        assert all(self.store.dump(keys, [PAYLOAD] * len(keys)).wait())
+        assert all(self.store.dump(keys, [[PAYLOAD]] * len(keys)).wait())
 
     def add(self, req_id: str, token_ids: list[int], max_tokens: int) -> Request:
         """Add a greedy request that stops after ``max_tokens`` output tokens."""

@@ -21,6 +21,10 @@ def test_every_system_answers_alike_and_ucm_hits(tmp_path: Path) -> None:
         output_tokens=4,
         no_reuse_prompts=2,
         no_reuse_batches=1,
+        chat_users=2,
+        chat_rounds=2,
+        system_prompt_tokens=128,
+        message_tokens=40,
     )
     results = e2e.run(TINY, workload, tmp_path)
     assert results["targets"]["outputs identical across systems"] is True
@@ -31,5 +35,12 @@ def test_every_system_answers_alike_and_ucm_hits(tmp_path: Path) -> None:
         assert by_name[name]["cached_tokens"]["new question"] == 2 * 256
     assert by_name["ExampleConnector"]["cached_tokens"]["new question"] == 0
     assert by_name["ExampleConnector"]["cached_tokens"]["exact repeat"] > 0
+    for name in ("ucm dram", "ucm posix", "ucm dram+posix", "vLLM prefix cache"):
+        # A follow-up reuses its conversation's full blocks: 128 + 40 + 4 tokens, 5 blocks.
+        assert by_name[name]["cached_tokens"]["chat follow-up"] == 2 * 5 * 32
+        # The first round shares the system prompt's 4 blocks with the other user.
+        assert by_name[name]["cached_tokens"]["chat round 0"] == 4 * 32
     assert by_name["ucm posix"]["store_bytes"] > 0
     assert "| ucm dram+posix |" in e2e.markdown(results)
+    assert e2e.plot(results, tmp_path / "ttft.png")
+    assert (tmp_path / "ttft.png").stat().st_size > 10_000

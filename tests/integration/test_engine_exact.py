@@ -47,11 +47,13 @@ def tiers(kind: str, store: Path) -> list[dict[str, Any]]:
     return [tier for name in kind.split("+") for tier in chosen[name]]
 
 
-def ucm(kind: str, store: Path, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+def ucm(
+    kind: str, store: Path, role: str = "kv_both", in_place: bool = True, **extra: Any
+) -> dict[str, Any]:
     return {
         "kv_connector": "UCMConnector",
         "kv_role": role,
-        "kv_connector_extra_config": {"tiers": tiers(kind, store)},
+        "kv_connector_extra_config": {"tiers": tiers(kind, store), "in_place": in_place},
         **extra,
     }
 
@@ -77,15 +79,26 @@ def cold_then_warm() -> list[Phase]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "block_size"),
-    [("dram", 32), ("posix", 32), ("dram+posix", 32), ("dram+posix", 128)],
+    ("kind", "block_size", "in_place"),
+    [
+        ("dram", 32, True),
+        ("posix", 32, True),
+        ("dram+posix", 32, True),
+        ("dram+posix", 128, True),
+        ("dram+posix", 32, False),  # Through staging rows, the GPU path.
+    ],
 )
 def test_same_engine_after_prefix_cache_reset(
-    kind: str, block_size: int, tiny_model: str, reference: Any, tmp_path: Path
+    kind: str, block_size: int, in_place: bool, tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:
-    spec = EngineSpec(tiny_model, cold_then_warm(), block_size, ucm(kind, tmp_path / "store"))
+    transfer = ucm(kind, tmp_path / "store", in_place=in_place)
+    spec = EngineSpec(tiny_model, cold_then_warm(), block_size, transfer)
     warm = run_engine(spec, tmp_path / "engine")[1]
     assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(block_size), block_size)
+    log = (tmp_path / "engine" / "engine.log").read_text()
+    assert ("pages read and written in place" in log) == in_place
+    # The first step with loads shows vLLM waits for every layer; later ones overlap.
+    assert "loads now overlap the forward pass" in log
 
 
 @pytest.mark.parametrize(

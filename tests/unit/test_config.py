@@ -67,6 +67,9 @@ def test_inline_keys_override_the_file(tmp_path: Path) -> None:
             "tiers\\[0\\].fsync: expected bool",
         ),
         ({"model_id": 3}, "model_id: expected a string"),
+        ({"io_threads": 0}, "io_threads: expected a positive integer, got 0"),
+        ({"in_place": "no"}, "in_place: expected true or false, got 'no'"),
+        ({"io_threads": "4"}, "io_threads: expected a positive integer, got '4'"),
         ({"UCM_CONFIG_FILE": "/nonexistent/ucm.yaml"}, "UCM_CONFIG_FILE: cannot read"),
     ],
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_buffers
+from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_payloads
 
 LAYOUTS = {
     "cpu [blocks, heads, tokens, 2*head]": (0, lambda: torch.randn(64, 4, 32, 16)),
@@ -34,7 +34,31 @@ def test_round_trip_copies_exactly_the_chosen_blocks(layout: str) -> None:
     for src, dst in zip(source.layers, target.layers, strict=True):
         assert torch.equal(dst.tensor.index_select(dim, ids), src.tensor.index_select(dim, ids))
         assert not dst.tensor.index_select(dim, rest).any()
-    assert all(view.nbytes == source.block_bytes for view in row_buffers(rows))
+    assert all(payload[0].nbytes == source.block_bytes for payload in row_payloads(rows))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_pages_are_the_stored_block_in_place(layout: str) -> None:
+    dim, make = LAYOUTS[layout]
+    torch.manual_seed(0)
+    paged = PagedKV([("layer.0", make(), dim), ("layer.1", make(), dim)])
+    contiguous = all(layer.tensor.select(dim, 0).is_contiguous() for layer in paged.layers)
+    assert paged.in_place == contiguous
+    if not paged.in_place:
+        return
+    ids = torch.tensor([9, 2, 63])
+    rows = torch.empty((len(ids), paged.block_bytes), dtype=torch.uint8)
+    for layer in paged.layers:
+        paged.gather(layer, ids, rows)
+    pages = paged.block_pages(ids.tolist())
+    assert [b"".join(block) for block in pages] == [bytes(row.numpy()) for row in rows]
+    before = [layer.tensor.clone() for layer in paged.layers]
+    for segment in pages[0]:
+        segment[:] = bytes(segment.nbytes)  # Writing a page writes the KV tensor.
+    rest = torch.tensor([i for i in range(64) if i != 9])
+    for layer, old in zip(paged.layers, before, strict=True):
+        assert not layer.tensor.select(dim, 9).any()
+        assert layer.tensor.index_select(dim, rest).equal(old.index_select(dim, rest))
 
 
 def test_layers_sharing_one_tensor_are_stored_once() -> None:

@@ -39,7 +39,7 @@ def test_dump_copies_the_payload() -> None:
     backend.dump([make_key(0)], views([payload])).wait()
     payload[:] = bytes(10)
     loaded = bytearray(10)
-    assert backend.load([make_key(0)], [memoryview(loaded)]).wait() == [True]
+    assert backend.load([make_key(0)], [[memoryview(loaded)]]).wait() == [True]
     assert loaded == make_payload(0, 10)
 
 
@@ -48,7 +48,7 @@ def test_load_accepts_a_non_byte_view() -> None:
     backend.dump([make_key(0)], views([make_payload(0, 16)])).wait()
     destination = bytearray(16)
     words = memoryview(destination).cast("I")
-    assert backend.load([make_key(0)], [words]).wait() == [True]
+    assert backend.load([make_key(0)], [[words]]).wait() == [True]
     assert destination == make_payload(0, 16)
 
 

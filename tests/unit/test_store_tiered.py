@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ucm.config import TierConfig
-from ucm.store.base import Backend, BlockKey, Buffer, Task
+from ucm.store.base import Backend, BlockKey, Segments, Task
 from ucm.store.dram import DramBackend
 from ucm.store.posix import PosixBackend
 from ucm.store.tiered import TieredBackend
@@ -42,13 +42,13 @@ class CountingDram(DramBackend):
         self.calls.append(("lookup", len(keys)))
         return super().lookup(keys)
 
-    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def load(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         self.calls.append(("load", len(keys)))
-        return super().load(keys, buffers)
+        return super().load(keys, payloads)
 
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         self.calls.append(("dump", len(keys)))
-        return super().dump(keys, buffers)
+        return super().dump(keys, payloads)
 
 
 def test_hit_in_posix_only_is_promoted_into_dram(tmp_path: Path) -> None:
@@ -133,5 +133,5 @@ def test_needs_a_tier() -> None:
 
 
 def test_mismatched_batch_is_rejected() -> None:
-    with pytest.raises(ValueError, match="buffers"):
+    with pytest.raises(ValueError, match="payloads"):
         TieredBackend([DramBackend(10)]).dump([make_key(0)], [])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ucm.store.base import BlockKey, Buffer, CompletedTask, Task
+from ucm.store.base import BlockKey, CompletedTask, Segments, Task
 from ucm.store.dram import DramBackend
 from ucm.transfer.writer import BackgroundWriter
 
@@ -19,13 +19,13 @@ class GatedBackend(DramBackend):
         super().__init__(1 << 20)
         self.gate = threading.Event()
 
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         self.gate.wait(timeout=10)
-        return super().dump(keys, buffers)
+        return super().dump(keys, payloads)
 
 
 class FailingBackend(DramBackend):
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         return CompletedTask([False] * len(keys))
 
 
@@ -34,7 +34,7 @@ def test_writes_complete_in_the_background_and_release_their_buffers() -> None:
     writer = BackgroundWriter(max_pending_bytes=1 << 20)
     released = threading.Event()
     payload = memoryview(bytearray(b"x" * 64))
-    writer.submit(backend, KEYS[:1], [payload], released.set)
+    writer.submit(backend, KEYS[:1], [[payload]], released.set)
     assert not released.is_set() and backend.lookup(KEYS[:1]) == [False]
     backend.gate.set()
     writer.wait_for(KEYS[:1])  # A read of the key waits for its write.
@@ -48,9 +48,9 @@ def test_submit_blocks_while_too_many_bytes_are_pending() -> None:
     backend = GatedBackend()
     writer = BackgroundWriter(max_pending_bytes=100)
     payload = memoryview(bytearray(64))
-    writer.submit(backend, KEYS[:1], [payload], lambda: None)
+    writer.submit(backend, KEYS[:1], [[payload]], lambda: None)
     second = threading.Thread(
-        target=writer.submit, args=(backend, KEYS[1:2], [payload], lambda: None)
+        target=writer.submit, args=(backend, KEYS[1:2], [[payload]], lambda: None)
     )
     second.start()
     second.join(timeout=0.2)
@@ -66,7 +66,7 @@ def test_submit_blocks_while_too_many_bytes_are_pending() -> None:
 def test_failed_writes_are_counted_and_still_release() -> None:
     writer = BackgroundWriter(max_pending_bytes=1 << 20)
     released = threading.Event()
-    writer.submit(FailingBackend(1 << 20), KEYS[:3], [memoryview(bytearray(8))] * 3, released.set)
+    writer.submit(FailingBackend(1 << 20), KEYS[:3], [[memoryview(bytearray(8))]] * 3, released.set)
     writer.flush()
     assert released.is_set() and writer.failed_blocks == 3
     writer.close()

@@ -3,7 +3,8 @@
 Measured side by side in one run, so that ratios stay meaningful on a noisy machine:
 memory copy bandwidth, sequential disk write/read bandwidth on the store's filesystem,
 ucm's ``dram`` and ``posix`` save/load rates for blocks of a given size, the
-gather/scatter rate between a paged KV tensor and staging rows, and the scheduler's
+gather/scatter rate between a paged KV tensor and staging rows, the worker's load
+path (reader threads reading straight into KV pages), and the scheduler's
 lookup cost for a long prompt against an index of a million stored blocks.
 """
 
@@ -24,7 +25,8 @@ from ucm.keys import KeyChain
 from ucm.store.base import Backend, BlockKey
 from ucm.store.dram import DramBackend
 from ucm.store.posix import PosixBackend
-from ucm.transfer.paged import PagedKV, row_buffers
+from ucm.transfer.paged import PagedKV, row_payloads
+from ucm.transfer.reader import BlockRead, BlockReader
 
 _CHUNK = 4 << 20
 
@@ -117,10 +119,10 @@ def backend_rates(name: str, backend: Backend, block_bytes: int, count: int) -> 
     def dump() -> None:
         batch = [BlockKey(os.urandom(32)) for _ in range(count)]
         keys.append(batch)
-        assert all(backend.dump(batch, row_buffers(rows)).wait())
+        assert all(backend.dump(batch, row_payloads(rows)).wait())
 
     def load() -> None:
-        assert all(backend.load(keys[-1], row_buffers(out)).wait())
+        assert all(backend.load(keys[-1], row_payloads(out)).wait())
 
     total = count * block_bytes
     note = f"{count} blocks of {block_bytes >> 10} KiB"
@@ -156,6 +158,42 @@ def paged_rates(block_bytes: int, count: int, num_blocks: int) -> tuple[Rate, Ra
     )
 
 
+def in_place_rates(
+    name: str, backend: Backend, block_bytes: int, count: int, threads: int
+) -> list[Rate]:
+    """Measure the worker's load path: blocks read straight into the pages of an
+    8-layer CPU paged KV cache by the reader threads, and saved from those pages."""
+    heads, block_size, num_layers = 8, 32, 8
+    content = block_bytes // num_layers // (heads * block_size * 4)
+    layers = [
+        (f"layer.{i}", torch.randn(2 * count, heads, block_size, content), 0)
+        for i in range(num_layers)
+    ]
+    paged = PagedKV(layers)
+    sources = paged.block_pages(range(count))
+    targets = paged.block_pages(range(count, 2 * count))
+    total = count * paged.block_bytes
+    note = f"{count} blocks of {paged.block_bytes >> 10} KiB, {num_layers} layers"
+    keys: list[BlockKey] = []
+
+    def save() -> None:
+        keys[:] = [BlockKey(os.urandom(32)) for _ in range(count)]
+        assert all(backend.dump(keys, sources).wait())
+
+    rates = [Rate(f"{name} save from pages", best_rate(total, save), note)]
+    for workers in sorted({1, threads}):
+        reader = BlockReader(workers)
+        reads = [BlockRead(key, 0, payload) for key, payload in zip(keys, targets, strict=True)]
+
+        def load(reader: BlockReader = reader, reads: list[BlockRead] = reads) -> None:
+            assert all(reader.start([backend], reads).wait())
+
+        rate = best_rate(total, load)
+        rates.append(Rate(f"{name} load into pages, {workers} threads", rate, note))
+        reader.close()
+    return rates
+
+
 def lookup_micros(
     store_dir: Path, prompt_tokens: int, stored_blocks: int, block_size: int
 ) -> dict[str, float]:
@@ -185,7 +223,7 @@ def lookup_micros(
         mirror.admit(key, step=0)
     posix = PosixBackend(store_dir / "lookup", 1 << 40)
     payload = memoryview(bytearray(64))
-    posix.dump(keys, [payload] * len(keys)).wait()
+    posix.dump(keys, [[payload]] * len(keys)).wait()
     timings = {"key hashing (us)": hashing * 1e6}
     for name, tier in (("dram", mirror), ("posix", SharedTier(posix, 1))):
         seconds = best_seconds(functools.partial(_assert_all_found, keys, tier))
@@ -200,6 +238,7 @@ def run(
     count: int = 256,
     disk_bytes: int = 1 << 30,
     index_blocks: int = 1_000_000,
+    threads: int = 4,
 ) -> dict[str, object]:
     """Run every measurement and return them as one JSON-ready mapping.
 
@@ -209,6 +248,7 @@ def run(
         count: Blocks per batch.
         disk_bytes: Size of the file for the raw disk measurements.
         index_blocks: Blocks in the DRAM index the lookup is timed against.
+        threads: Reader threads for the in-place loads (ucm's ``io_threads``).
     """
     store_dir.mkdir(parents=True, exist_ok=True)
     total = block_bytes * count
@@ -220,6 +260,10 @@ def run(
     rates += backend_rates("posix", PosixBackend(posix_dir, 4 * total), block_bytes, count)
     shutil.rmtree(posix_dir, ignore_errors=True)
     rates += paged_rates(block_bytes, min(count, 128), num_blocks=512)
+    rates += in_place_rates("dram", DramBackend(total), block_bytes, count, threads)
+    posix = PosixBackend(posix_dir, 4 * total)
+    rates += in_place_rates("posix", posix, block_bytes, count, threads)
+    shutil.rmtree(posix_dir, ignore_errors=True)
     rate = {entry.name: entry.gb_per_s for entry in rates}
     ratios = {
         "dram save / memory copy": rate["dram save"] / rate["memory copy"],
@@ -227,6 +271,15 @@ def run(
         "posix save / disk write (page cache)": rate["posix save"]
         / rate["disk write (page cache)"],
         "posix load / disk read": rate["posix load"] / rate["disk read"],
+        "dram save from pages / memory copy": rate["dram save from pages"] / rate["memory copy"],
+        f"dram load into pages ({threads} threads) / memory copy": rate[
+            f"dram load into pages, {threads} threads"
+        ]
+        / rate["memory copy"],
+        f"posix load into pages ({threads} threads) / disk read": rate[
+            f"posix load into pages, {threads} threads"
+        ]
+        / rate["disk read"],
     }
     return {
         "rates": [rate.__dict__ for rate in rates],

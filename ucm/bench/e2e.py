@@ -12,7 +12,14 @@ Workloads:
   cache hit should approach. ``ucm dram`` has room for every document; in
   ``ucm dram+posix`` the ``dram`` tier holds only half of them, so hits also come
   from disk (through the page cache, which cannot be dropped here).
+- multi-round chat: users share a system prompt; each round appends a new user
+  message to the conversation so far (earlier prompts and answers), so a round hits
+  the blocks its previous round saved, decode blocks included.
 - no reuse: distinct prompts submitted as one batch, for the throughput cost of saving.
+
+Reported per system: TTFT p50/p90 per request kind, hit rate, tokens and bytes loaded,
+bytes stored, no-reuse throughput; JSON, a Markdown table, and a PNG plot of TTFT
+against prompt length (when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from ucm.testing.engine import EngineSpec, Phase, run_engine
 from ucm.testing.model import ModelSpec, build_model, make_prompt_token_ids
@@ -48,6 +57,14 @@ class Workload:
     """Distinct prompts in each no-reuse batch."""
     no_reuse_batches: int = 3
     """No-reuse batches (new prompts each); the best throughput is reported."""
+    chat_users: int = 4
+    """Conversations in the multi-round chat workload."""
+    chat_rounds: int = 3
+    """Rounds per conversation."""
+    system_prompt_tokens: int = 1024
+    """Tokens of the system prompt every conversation starts with."""
+    message_tokens: int = 128
+    """Tokens per user message."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,8 @@ class SystemResult:
     """Bytes the system left in its store directory."""
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)
     """Generated tokens per request kind, to check every system answers alike."""
+    requests: list[tuple[str, int, float, int]] = field(default_factory=list)
+    """Every timed request: kind, prompt tokens, TTFT in ms, prompt tokens from a cache."""
 
 
 def _prompts(workload: Workload, vocab: int) -> dict[str, list[list[int]]]:
@@ -133,12 +152,27 @@ def _prompts(workload: Workload, vocab: int) -> dict[str, list[list[int]]]:
 
     new_questions = [prompt for q in range(1, workload.questions) for prompt in ask(q)]
     prompts = {"cold": ask(0), "new question": new_questions, "exact repeat": ask(0)}
+    system_prompt = tokens(workload.system_prompt_tokens, 70_000)
+    for turn in range(workload.chat_rounds):
+        messages = [
+            tokens(workload.message_tokens, 80_000 + 100 * turn + user)
+            for user in range(workload.chat_users)
+        ]
+        prompts[f"chat round {turn}"] = [
+            system_prompt + message if turn == 0 else message for message in messages
+        ]
     for batch in range(workload.no_reuse_batches):
         prompts[f"no reuse {batch}"] = [
             tokens(workload.document_tokens, 50_000 + 1000 * batch + index)
             for index in range(workload.no_reuse_prompts)
         ]
     return prompts
+
+
+FOLLOW_UP = "chat follow-up"
+"""The request kind that sums up chat rounds after the first."""
+REPORTED_KINDS = ("cold", "new question", "exact repeat", FOLLOW_UP)
+"""Request kinds in the report's table; all but the first are cache hits for a cache."""
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -162,13 +196,26 @@ def run_system(
     document_bytes = workload.document_tokens * kv_bytes_per_token
     dram_bytes = max(int(system.dram_documents * workload.documents * document_bytes), 1)
     reset = not system.keeps_vllm_cache
-    kinds = ("cold", "new question", "exact repeat")
+    chat = tuple(f"chat round {turn}" for turn in range(workload.chat_rounds))
+    kinds = ("cold", "new question", "exact repeat", *chat)
     phases = [
-        Phase(prompts[kind], workload.output_tokens, reset_before_each=reset) for kind in kinds
+        Phase(
+            prompts[kind],
+            workload.output_tokens,
+            reset_before_each=reset,
+            follow_up=kind in chat[1:],
+        )
+        for kind in kinds
     ]
     batches = [f"no reuse {batch}" for batch in range(workload.no_reuse_batches)]
     phases += [Phase(prompts[name], workload.output_tokens, batch=True) for name in batches]
-    longest = workload.document_tokens + workload.question_tokens + workload.output_tokens
+    conversation = workload.system_prompt_tokens + workload.chat_rounds * (
+        workload.message_tokens + workload.output_tokens
+    )
+    longest = max(
+        workload.document_tokens + workload.question_tokens + workload.output_tokens,
+        conversation,
+    )
     spec = EngineSpec(
         model=str(model),
         phases=phases,
@@ -183,8 +230,19 @@ def run_system(
     for kind, result in zip(kinds, results, strict=False):
         measured.ttft_ms[kind] = _percentiles(result.ttft_s)
         measured.cached_tokens[kind] = sum(result.cached_tokens)
-        measured.prompt_tokens[kind] = sum(len(prompt) for prompt in prompts[kind])
+        measured.prompt_tokens[kind] = sum(result.prompt_tokens)
         measured.outputs[kind] = result.outputs
+        measured.requests += [
+            (kind, length, ttft * 1000, cached)
+            for length, ttft, cached in zip(
+                result.prompt_tokens, result.ttft_s, result.cached_tokens, strict=True
+            )
+        ]
+    follow_ups = [r for r in measured.requests if r[0] in chat[1:]]
+    if follow_ups:
+        measured.ttft_ms[FOLLOW_UP] = _percentiles([r[2] / 1000 for r in follow_ups])
+        measured.cached_tokens[FOLLOW_UP] = sum(r[3] for r in follow_ups)
+        measured.prompt_tokens[FOLLOW_UP] = sum(r[1] for r in follow_ups)
     for name, result in zip(batches, results[len(kinds) :], strict=True):
         total = sum(len(p) for p in prompts[name]) + sum(len(o) for o in result.outputs)
         measured.no_reuse_tokens_per_s = max(measured.no_reuse_tokens_per_s, total / result.wall_s)
@@ -200,8 +258,9 @@ def run(
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * head_dim * 4
     measured: list[SystemResult] = []
-    for index, system in enumerate(systems, start=1):
-        print(f"[{index}/{len(systems)}] {system.name} ...", flush=True)
+    progress = tqdm(systems, desc="systems", unit="system")
+    for index, system in enumerate(progress, start=1):
+        progress.set_postfix_str(system.name)
         measured.append(
             run_system(
                 system, model, workload, spec.vocab_size, workdir / f"s{index}", kv_bytes_per_token
@@ -209,6 +268,7 @@ def run(
         )
     return {
         "model": asdict(spec),
+        "model_name": spec.name,
         "kv_bytes_per_token": kv_bytes_per_token,
         "workload": asdict(workload),
         "systems": [asdict(result) for result in measured],
@@ -227,11 +287,10 @@ def targets(measured: list[SystemResult]) -> dict[str, float | bool]:
     report: dict[str, float | bool] = {
         "outputs identical across systems": all(r.outputs == reference for r in measured),
     }
-    local = p50("vLLM prefix cache", "new question")
-    for system in ("ucm dram", "ucm posix", "ucm dram+posix"):
-        report[f"{system} new-question TTFT / vLLM prefix cache"] = (
-            p50(system, "new question") / local
-        )
+    for kind in ("new question", FOLLOW_UP):
+        local = p50("vLLM prefix cache", kind)
+        for system in ("ucm dram", "ucm posix", "ucm dram+posix"):
+            report[f"{system} {kind} TTFT / vLLM prefix cache"] = p50(system, kind) / local
     for kind in ("new question", "exact repeat"):
         report[f"ExampleConnector / ucm dram+posix TTFT, {kind}"] = p50(
             "ExampleConnector", kind
@@ -246,18 +305,19 @@ def targets(measured: list[SystemResult]) -> dict[str, float | bool]:
 
 def markdown(results: dict[str, Any]) -> str:
     """Render :func:`run`'s results as a Markdown report."""
-    kinds = ("cold", "new question", "exact repeat")
+    kinds = [k for k in REPORTED_KINDS if k in results["systems"][0]["ttft_ms"]]
     header = "| system | " + " | ".join(f"TTFT p50/p90 ms, {k}" for k in kinds)
-    lines = [header + " | hit rate | no-reuse tok/s | store MiB |"]
-    lines.append("| --- |" + " ---: |" * (len(kinds) + 3))
+    lines = [header + " | hit rate | KV from cache MiB | no-reuse tok/s | store MiB |"]
+    lines.append("| --- |" + " ---: |" * (len(kinds) + 4))
     for result in results["systems"]:
         ttft = " | ".join(
             f"{result['ttft_ms'][k]['p50']:.0f} / {result['ttft_ms'][k]['p90']:.0f}" for k in kinds
         )
         cached = sum(result["cached_tokens"][k] for k in kinds[1:])
         asked = sum(result["prompt_tokens"][k] for k in kinds[1:])
+        loaded = sum(r[3] for r in result["requests"]) * results["kv_bytes_per_token"]
         lines.append(
-            f"| {result['system']} | {ttft} | {cached / asked:.0%} | "
+            f"| {result['system']} | {ttft} | {cached / asked:.0%} | {loaded / 2**20:.1f} | "
             f"{result['no_reuse_tokens_per_s']:.0f} | {result['store_bytes'] / 2**20:.1f} |"
         )
     lines += ["", "| target | value |", "| --- | ---: |"]
@@ -265,3 +325,33 @@ def markdown(results: dict[str, Any]) -> str:
         shown = value if isinstance(value, bool) else f"{value:.2f}"
         lines.append(f"| {name} | {shown} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Draw TTFT against prompt length, per system, into a PNG file.
+
+    Returns:
+        False (and draws nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError:
+        return False
+    figure, axes = pyplot.subplots(figsize=(9, 5.5))
+    for result in results["systems"]:
+        lengths = [request[1] for request in result["requests"]]
+        ttfts = [request[2] for request in result["requests"]]
+        axes.scatter(lengths, ttfts, label=result["system"], s=18, alpha=0.75)
+    axes.set_xlabel("prompt tokens")
+    axes.set_ylabel("TTFT (ms)")
+    axes.set_yscale("log")
+    axes.set_title(f"TTFT vs prompt length, {results['model_name']}")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return True

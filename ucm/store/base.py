@@ -2,7 +2,9 @@
 
 A backend maps fixed keys (:data:`BlockKey`) to opaque byte payloads. Callers own
 all memory: ``dump`` copies out of caller buffers and ``load`` copies into them, so
-a backend never allocates the payload a caller ends up holding. Transfers return a
+a backend never allocates the payload a caller ends up holding. A payload is given
+as :data:`Segments`, a list of buffers whose concatenation it is, so that a block
+moves straight between a store and the scattered pages of vLLM's KV cache. Transfers return a
 :class:`Task` so that a backend may run them asynchronously; a backend that works
 synchronously returns an already finished task.
 """
@@ -24,6 +26,14 @@ BlockKey = NewType("BlockKey", bytes)
 
 Buffer = memoryview
 """Caller-owned, C-contiguous, byte-addressable memory (``memoryview`` of format ``B``)."""
+
+Segments = Sequence[Buffer]
+"""One key's payload as caller-owned buffers, in order: the payload is their concatenation."""
+
+
+def segments_nbytes(segments: Segments) -> int:
+    """Return the payload size that ``segments`` hold together."""
+    return sum(segment.nbytes for segment in segments)
 
 
 @dataclass(frozen=True)
@@ -137,20 +147,22 @@ class Backend(abc.ABC):
         return len(keys)
 
     @abc.abstractmethod
-    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def load(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         """Copy stored payloads into caller-owned buffers.
+
+        A key that fails may have had its buffers partly overwritten.
 
         Args:
             keys: The keys to read.
-            buffers: One writable buffer per key; each must be exactly the size
-                of the stored payload, otherwise that key fails.
+            payloads: Writable segments per key; together they must be exactly the
+                size of the stored payload, otherwise that key fails.
 
         Returns:
             A task whose result says, per key, whether its buffer was filled.
         """
 
     @abc.abstractmethod
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         """Store payloads copied from caller-owned buffers.
 
         A key that is already stored keeps its payload (blocks are immutable:
@@ -159,7 +171,7 @@ class Backend(abc.ABC):
 
         Args:
             keys: The keys to write.
-            buffers: One buffer per key holding its payload.
+            payloads: Segments per key whose concatenation is its payload.
 
         Returns:
             A task whose result says, per key, whether it is now stored.

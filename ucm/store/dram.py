@@ -8,11 +8,22 @@ blocks (a load or a repeated dump counts as a use) to make room for new ones.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from ucm.store.base import Backend, BlockKey, Buffer, Capabilities, CompletedTask, Task, Usage
+import numpy
+
+from ucm.store.base import (
+    Backend,
+    BlockKey,
+    Capabilities,
+    CompletedTask,
+    Segments,
+    Task,
+    Usage,
+    segments_nbytes,
+)
 
 if TYPE_CHECKING:
     from typing import Self
@@ -44,6 +55,7 @@ class DramBackend(Backend):
         # was touched before runs at copy speed, fresh pages first fault in one by one.
         self._spare: list[bytearray] = []
         self._spare_bytes = 0
+        self._reading: Counter[int] = Counter()  # id() of blocks being copied out -> readers.
         self._lock = threading.Lock()
 
     @classmethod
@@ -67,43 +79,52 @@ class DramBackend(Backend):
         with self._lock:
             return [key in self._blocks for key in keys]
 
-    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def load(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         """Copy stored payloads straight into the caller's buffers.
 
         Args:
             keys: The keys to read.
-            buffers: One writable buffer per key, exactly the size of its payload.
+            payloads: Writable segments per key, together exactly the size of its payload.
 
         Returns:
-            A finished task: per key, whether its buffer was filled.
+            A finished task: per key, whether its segments were filled.
         """
         results = []
-        for key, dst in zip(keys, buffers, strict=True):
+        for key, segments in zip(keys, payloads, strict=True):
+            size = segments_nbytes(segments)
             with self._lock:
                 block = self._blocks.get(key)
-                if block is not None and len(block) == dst.nbytes:
-                    self._blocks.move_to_end(key)
-            if block is None or len(block) != dst.nbytes:
-                results.append(False)
-                continue
-            # Stored blocks are never mutated, so copying outside the lock is safe.
-            dst.cast("B")[:] = block
+                if block is None or len(block) != size:
+                    results.append(False)
+                    continue
+                self._blocks.move_to_end(key)
+                self._reading[id(block)] += 1  # Not reused for another block meanwhile.
+            try:
+                source, offset = memoryview(block), 0
+                for segment in segments:
+                    _copy(segment.cast("B"), source[offset : offset + segment.nbytes])
+                    offset += segment.nbytes
+            finally:
+                with self._lock:
+                    self._reading[id(block)] -= 1
+                    if not self._reading[id(block)]:
+                        del self._reading[id(block)]
             results.append(True)
         return CompletedTask(results)
 
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         """Copy payloads into the pool, evicting least recently used blocks to make room.
 
         Args:
             keys: The keys to write; a key already stored only counts as a use.
-            buffers: One buffer per key holding its payload.
+            payloads: Segments per key whose concatenation is its payload.
 
         Returns:
             A finished task: per key, whether it is now stored (False for a payload
             larger than the whole pool, which evicts nothing).
         """
         return CompletedTask(
-            [self._dump_one(key, src) for key, src in zip(keys, buffers, strict=True)]
+            [self._dump_one(key, segments) for key, segments in zip(keys, payloads, strict=True)]
         )
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -133,8 +154,8 @@ class DramBackend(Backend):
             self._spare.clear()
             self._used = self._spare_bytes = 0
 
-    def _dump_one(self, key: BlockKey, src: Buffer) -> bool:
-        size = src.nbytes
+    def _dump_one(self, key: BlockKey, segments: Segments) -> bool:
+        size = segments_nbytes(segments)
         if size > self._capacity:
             return False
         if self._touch(key):
@@ -142,7 +163,10 @@ class DramBackend(Backend):
         with self._lock:
             block = self._reuse_or_make_room(size)
             self._used += size  # Reserved now, so concurrent dumps stay within capacity.
-        block[:] = src.cast("B")  # Copied outside the lock; published under it.
+        target, offset = memoryview(block), 0
+        for segment in segments:  # Copied outside the lock; published under it.
+            _copy(target[offset : offset + segment.nbytes], segment.cast("B"))
+            offset += segment.nbytes
         with self._lock:
             if key in self._blocks:  # Another thread stored it meanwhile.
                 self._blocks.move_to_end(key)
@@ -153,7 +177,12 @@ class DramBackend(Backend):
         return True
 
     def _keep_spare(self, block: bytearray) -> None:
-        """Keep a no longer used buffer for reuse; the caller holds the lock."""
+        """Keep a no longer used buffer for reuse, unless a reader still copies out of it.
+
+        The caller holds the lock.
+        """
+        if id(block) in self._reading:
+            return  # Freed once the reader lets go of it.
         self._spare.append(block)
         self._spare_bytes += len(block)
 
@@ -173,7 +202,7 @@ class DramBackend(Backend):
             elif self._blocks:
                 _, evicted = self._blocks.popitem(last=False)
                 self._used -= len(evicted)
-                if len(evicted) == size:
+                if len(evicted) == size and id(evicted) not in self._reading:
                     return evicted
                 self._keep_spare(evicted)
             else:
@@ -186,3 +215,15 @@ class DramBackend(Backend):
                 return False
             self._blocks.move_to_end(key)
             return True
+
+
+_GIL_FREE_COPY_BYTES = 64 << 10  # Copies this large run without the GIL (through numpy).
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (equal byte views); large copies release the GIL so
+    that several reader threads copy in parallel."""
+    if dst.nbytes >= _GIL_FREE_COPY_BYTES:
+        numpy.copyto(numpy.frombuffer(dst, numpy.uint8), numpy.frombuffer(src, numpy.uint8))
+    else:
+        dst[:] = src

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 import secrets
 import socket
@@ -20,11 +19,21 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from ucm.store.base import Backend, BlockKey, Buffer, Capabilities, CompletedTask, Task, Usage
+from ucm.store.base import (
+    Backend,
+    BlockKey,
+    Buffer,
+    Capabilities,
+    CompletedTask,
+    Segments,
+    Task,
+    Usage,
+    segments_nbytes,
+)
 
 if TYPE_CHECKING:
     from typing import Self
@@ -38,6 +47,7 @@ _HEADER = struct.Struct(f"<4sHHQ{MAX_KEY_BYTES}s")  # Magic, version, key length
 HEADER_BYTES = _HEADER.size
 """Size of the header that precedes every payload (48)."""
 _STALE_TMP_SECONDS = 3600.0  # Age at which a leftover .tmp file is removed in any case.
+_IOV_MAX = 512  # Buffers per vectored call; POSIX guarantees at least 16, Linux 1024.
 _HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
@@ -103,32 +113,32 @@ class PosixBackend(Backend):
         """
         return [self._stat(key) is not None for key in keys]
 
-    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
-        """Read block files straight into the caller's buffers, verifying each one.
+    def load(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
+        """Read block files straight into the caller's buffers (one vectored read each).
 
         Args:
             keys: The keys to read.
-            buffers: One writable buffer per key, exactly the size of its payload.
+            payloads: Writable segments per key, together exactly the size of its payload.
 
         Returns:
-            A finished task: per key, whether its buffer was filled with a valid block.
+            A finished task: per key, whether its segments were filled with a valid block.
         """
         return CompletedTask(
-            [self._load_one(key, dst) for key, dst in zip(keys, buffers, strict=True)]
+            [self._load_one(key, segments) for key, segments in zip(keys, payloads, strict=True)]
         )
 
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         """Write blocks atomically, evicting least recently used known blocks to make room.
 
         Args:
             keys: The keys to write; a key whose file exists only counts as a use.
-            buffers: One buffer per key holding its payload.
+            payloads: Segments per key whose concatenation is its payload.
 
         Returns:
             A finished task: per key, whether it is now stored.
         """
         return CompletedTask(
-            [self._dump_one(key, src) for key, src in zip(keys, buffers, strict=True)]
+            [self._dump_one(key, segments) for key, segments in zip(keys, payloads, strict=True)]
         )
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -183,25 +193,33 @@ class PosixBackend(Backend):
             self._remember(key, size)
         return size
 
-    def _load_one(self, key: BlockKey, dst: Buffer) -> bool:
+    def _load_one(self, key: BlockKey, segments: Segments) -> bool:
+        size = segments_nbytes(segments)
+        header = bytearray(HEADER_BYTES)
         try:
-            with open(self._path(key), "rb", buffering=0) as file:
-                length = _read_header(file, key)
-                if length is None:  # Damaged: remove it so that it can be written again.
-                    self.delete([key])
-                    return False
-                if length != dst.nbytes or not _read_exact(file, dst.cast("B")):
-                    return False
+            fd = os.open(self._path(key), os.O_RDONLY)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 self._forget(key)
             return False
+        try:
+            read = _transfer(os.preadv, fd, [memoryview(header), *segments])
+            length = _header_length(header, key)
+            if length is None or os.fstat(fd).st_size != HEADER_BYTES + length:
+                self.delete([key])  # Damaged or torn: remove it so that it can be rewritten.
+                return False
+            if length != size or read != HEADER_BYTES + size:
+                return False
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
         with self._lock:
             self._remember(key, length)
         return True
 
-    def _dump_one(self, key: BlockKey, src: Buffer) -> bool:
-        size = src.nbytes
+    def _dump_one(self, key: BlockKey, segments: Segments) -> bool:
+        size = segments_nbytes(segments)
         if size > self._capacity:
             return False
         if self._stat(key) == size:
@@ -216,25 +234,27 @@ class PosixBackend(Backend):
                 return False  # Other threads' writes in flight fill the capacity.
             self._reserved += size
         self.delete([victim for victim, _ in victims])
-        stored = self._write(key, src)
+        stored = self._write(key, segments, size)
         with self._lock:
             self._reserved -= size
             if stored:
                 self._remember(key, size)
         return stored
 
-    def _write(self, key: BlockKey, src: Buffer) -> bool:
+    def _write(self, key: BlockKey, segments: Segments, size: int) -> bool:
         path = self._path(key)
         tmp = path.with_name(_tmp_name(key, os.getpid()))
+        header = memoryview(_HEADER.pack(_MAGIC, _VERSION, len(key), size, key))
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            # A buffered writer writes a payload larger than its buffer straight from `src`.
-            with open(tmp, "xb", opener=lambda name, flags: os.open(name, flags, 0o600)) as file:
-                file.write(_HEADER.pack(_MAGIC, _VERSION, len(key), src.nbytes, key))
-                file.write(src)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if _transfer(os.pwritev, fd, [header, *segments]) != HEADER_BYTES + size:
+                    raise OSError(f"short write to {tmp}")
                 if self._fsync:
-                    file.flush()
-                    os.fsync(file.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(OSError):
@@ -277,23 +297,29 @@ def _is_stale_tmp(name: str, mtime: float, now: float) -> bool:
     return False
 
 
-def _read_header(file: io.FileIO, key: BlockKey) -> int | None:
-    """Return the payload length a block file announces, or None if the file is damaged."""
-    header = bytearray(HEADER_BYTES)
-    if not _read_exact(file, memoryview(header)):
-        return None
+def _header_length(header: bytes | bytearray, key: BlockKey) -> int | None:
+    """Return the payload length a block header announces for ``key``, or None if damaged."""
     length: int = _HEADER.unpack(header)[3]
     if header != _HEADER.pack(_MAGIC, _VERSION, len(key), length, key):
         return None
-    return length if os.fstat(file.fileno()).st_size == HEADER_BYTES + length else None
+    return length
 
 
-def _read_exact(file: io.FileIO, view: memoryview) -> bool:
-    """Fill ``view`` from ``file``, resuming after short reads; False at end of file."""
-    filled = 0
-    while filled < view.nbytes:
-        count = file.readinto(view[filled:])
-        if not count:
-            return False
-        filled += count
-    return True
+def _transfer(
+    call: Callable[[int, list[Buffer], int], int], fd: int, buffers: Sequence[Buffer]
+) -> int:
+    """Run a vectored read or write (``os.preadv``/``os.pwritev``) over ``buffers`` from
+    file offset 0, resuming after short transfers; return the bytes moved (fewer only
+    at end of file)."""
+    pending = [buffer.cast("B") for buffer in buffers if buffer.nbytes]
+    moved = 0
+    while pending:
+        count = call(fd, pending[:_IOV_MAX], moved)
+        if count <= 0:
+            break
+        moved += count
+        while pending and count >= pending[0].nbytes:
+            count -= pending.pop(0).nbytes
+        if count:
+            pending[0] = pending[0][count:]
+    return moved

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ucm.store.base import Backend, BlockKey, Buffer, Capabilities, CompletedTask, Task, Usage
+from ucm.store.base import Backend, BlockKey, Capabilities, CompletedTask, Segments, Task, Usage
 from ucm.store.registry import backend_class
 
 if TYPE_CHECKING:
@@ -85,53 +85,53 @@ class TieredBackend(Backend):
             pending = [i for i, hit in zip(pending, hits, strict=True) if not hit]
         return results
 
-    def load(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
-        """Fill buffers from the fastest tier holding each key, promoting lower-tier hits.
+    def load(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
+        """Fill payloads from the fastest tier holding each key, promoting lower-tier hits.
 
         A block found in a lower tier is also dumped into every tier above it.
 
         Args:
             keys: The keys to read.
-            buffers: One writable buffer per key, exactly the size of its payload.
+            payloads: Writable segments per key, together exactly the size of its payload.
 
         Returns:
             A finished task: per key, whether some tier filled its buffer.
 
         Raises:
-            ValueError: ``keys`` and ``buffers`` differ in length.
+            ValueError: ``keys`` and ``payloads`` differ in length.
         """
-        if len(keys) != len(buffers):
-            raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers")
+        if len(keys) != len(payloads):
+            raise ValueError(f"got {len(keys)} keys but {len(payloads)} payloads")
         results = [False] * len(keys)
         pending = list(range(len(keys)))
         for level, tier in enumerate(self._tiers):
             if not pending:
                 break
-            hits = tier.load([keys[i] for i in pending], [buffers[i] for i in pending]).wait()
+            hits = tier.load([keys[i] for i in pending], [payloads[i] for i in pending]).wait()
             found = [i for i, hit in zip(pending, hits, strict=True) if hit]
             for i in found:
                 results[i] = True
             if found and level > 0:
                 self._dump_to(
-                    self._tiers[:level], [keys[i] for i in found], [buffers[i] for i in found]
+                    self._tiers[:level], [keys[i] for i in found], [payloads[i] for i in found]
                 )
             pending = [i for i, hit in zip(pending, hits, strict=True) if not hit]
         return CompletedTask(results)
 
-    def dump(self, keys: Sequence[BlockKey], buffers: Sequence[Buffer]) -> Task:
+    def dump(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> Task:
         """Write payloads through to every tier.
 
         Args:
             keys: The keys to write.
-            buffers: One buffer per key holding its payload.
+            payloads: Segments per key whose concatenation is its payload.
 
         Returns:
             A finished task: per key, whether at least one tier stored it.
 
         Raises:
-            ValueError: ``keys`` and ``buffers`` differ in length.
+            ValueError: ``keys`` and ``payloads`` differ in length.
         """
-        return CompletedTask(self._dump_to(self._tiers, keys, buffers))
+        return CompletedTask(self._dump_to(self._tiers, keys, payloads))
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         """Remove keys from every tier; keys that are not stored are ignored.
@@ -158,12 +158,12 @@ class TieredBackend(Backend):
 
     @staticmethod
     def _dump_to(
-        tiers: Sequence[Backend], keys: Sequence[BlockKey], buffers: Sequence[Buffer]
+        tiers: Sequence[Backend], keys: Sequence[BlockKey], payloads: Sequence[Segments]
     ) -> list[bool]:
         """Dump a batch into several tiers at once; per key, whether any tier stored it."""
-        if len(keys) != len(buffers):
-            raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers")
-        tasks = [tier.dump(keys, buffers) for tier in tiers]
+        if len(keys) != len(payloads):
+            raise ValueError(f"got {len(keys)} keys but {len(payloads)} payloads")
+        tasks = [tier.dump(keys, payloads) for tier in tiers]
         stored = [False] * len(keys)
         for task in tasks:
             stored = [old or new for old, new in zip(stored, task.wait(), strict=True)]

@@ -48,9 +48,9 @@ def make_buffer(size: int) -> bytearray:
     return bytearray([SENTINEL]) * size
 
 
-def views(buffers: list[bytearray]) -> list[memoryview]:
-    """Return a memoryview of each buffer."""
-    return [memoryview(buffer) for buffer in buffers]
+def views(buffers: list[bytearray]) -> list[list[memoryview]]:
+    """Return each buffer as a one-segment payload."""
+    return [[memoryview(buffer)] for buffer in buffers]
 
 
 class BackendConformance:
@@ -82,6 +82,20 @@ class BackendConformance:
             if self.exact_usage:
                 assert backend.usage().used_bytes == sum(sizes)
                 assert backend.usage().num_blocks == len(sizes)
+
+    def test_payload_given_as_segments(self, tmp_path: Path) -> None:
+        payload = make_payload(7, 10_000)
+        split_at = [[0, 1, 4000, 4000, 10_000], [0, 9_999, 10_000], [0, 3333, 6666, 10_000]]
+        with closing(self.make_backend(1 << 20, tmp_path)) as backend:
+            dumped = [memoryview(payload)[a:b] for a, b in itertools.pairwise(split_at[0])]
+            assert backend.dump([make_key(0)], [dumped]).wait() == [True]
+            for cuts in split_at[1:]:
+                target = make_buffer(10_000)
+                loaded = [memoryview(target)[a:b] for a, b in itertools.pairwise(cuts)]
+                assert backend.load([make_key(0)], [loaded]).wait() == [True]
+                assert target == payload
+            short = [memoryview(make_buffer(5000)), memoryview(make_buffer(4999))]
+            assert backend.load([make_key(0)], [short]).wait() == [False]
 
     def test_missing_key_is_a_miss_and_leaves_the_buffer_untouched(self, tmp_path: Path) -> None:
         with closing(self.make_backend(1 << 20, tmp_path)) as backend:

@@ -45,6 +45,9 @@ class Phase:
     """A file to create once the phase is done."""
     batch: bool = False
     """Submit all prompts in one ``generate`` call (throughput) instead of one by one."""
+    follow_up: bool = False
+    """Continue the previous phase's conversations: prompt ``i`` is appended to the
+    previous phase's prompt ``i`` and its output (multi-round chat)."""
 
 
 @dataclass
@@ -83,6 +86,8 @@ class PhaseResult:
     """Seconds from submitting the prompt to its first token."""
     wall_s: float = 0.0
     """Seconds the whole phase took."""
+    prompt_tokens: list[int] = field(default_factory=list)
+    """Prompt length of each request (follow-ups include the conversation so far)."""
 
 
 def run_engine(spec: EngineSpec, workdir: Path, timeout: float = 600) -> list[PhaseResult]:
@@ -152,20 +157,24 @@ def _serve(workdir: Path) -> None:
         disable_log_stats=False,
     )
     results = []
+    conversations: list[list[int]] = []
     for phase in spec.phases:
         if phase.wait_for:
             while not Path(phase.wait_for).exists():
                 time.sleep(0.05)
         params = SamplingParams(temperature=0, max_tokens=phase.max_tokens, ignore_eos=True)
         result = PhaseResult(outputs=[], cached_tokens=[], ttft_s=[])
-        batches = [phase.prompts] if phase.batch else [[prompt] for prompt in phase.prompts]
+        prompts = phase.prompts
+        if phase.follow_up:
+            prompts = [history + turn for history, turn in zip(conversations, prompts, strict=True)]
+        batches = [prompts] if phase.batch else [[prompt] for prompt in prompts]
         phase_started = time.perf_counter()
         for batch in batches:
             if phase.reset_before_each:
                 llm.reset_prefix_cache()
-            prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in batch]
+            requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in batch]
             started = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(requests, params, use_tqdm=False)
             elapsed = time.perf_counter() - started
             for output in outputs:
                 latency = getattr(output.metrics, "first_token_latency", 0.0)
@@ -173,6 +182,8 @@ def _serve(workdir: Path) -> None:
                 result.cached_tokens.append(int(output.num_cached_tokens or 0))
                 result.ttft_s.append(float(latency) if latency else elapsed)
         result.wall_s = time.perf_counter() - phase_started
+        result.prompt_tokens = [len(prompt) for prompt in prompts]
+        conversations = [p + o for p, o in zip(prompts, result.outputs, strict=True)]
         _flush_connector()
         results.append(asdict(result))
         if phase.signal:

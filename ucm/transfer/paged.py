@@ -1,9 +1,11 @@
 """vLLM's paged KV tensors seen as blocks of opaque bytes.
 
 A stored block is the concatenation, over this rank's attention layers in name
-order, of the layer's page for that block. Pages are copied whole with
-``index_select`` / ``index_copy_`` along the block dimension, whatever the attention
-backend's layout inside a page, so no code here knows where K, V or tokens are.
+order, of the layer's page for that block. Where every page is one contiguous range
+of host memory, stores read and write the pages in place (:meth:`PagedKV.block_pages`);
+otherwise pages are copied whole through staging rows with ``index_select`` /
+``index_copy_`` along the block dimension. Either way no code here knows where K, V
+or tokens are inside a page.
 """
 
 from __future__ import annotations
@@ -96,8 +98,27 @@ class PagedKV:
         """Bytes of one stored block (all layers of this rank)."""
         self.device = pages[0].tensor.device
         """The device the KV tensors live on."""
+        self._page_rows = _page_rows(pages) if self.device.type == "cpu" else None
         self._by_name: Mapping[str, LayerPages] = {page.name: page for page in pages}
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @property
+    def in_place(self) -> bool:
+        """Whether :meth:`block_pages` can give stores the pages themselves."""
+        return self._page_rows is not None
+
+    def block_pages(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
+        """Return, per block, its pages in every layer as writable views of the KV memory.
+
+        The concatenation of a block's views is the stored block, so a store reads
+        into or writes from vLLM's KV cache directly. Only valid where :attr:`in_place`.
+        """
+        assert self._page_rows is not None, "pages are not contiguous host memory"
+        rows = self._page_rows
+        return [
+            [memory[block * stride : block * stride + size] for memory, stride, size in rows]
+            for block in block_ids
+        ]
 
     def layer(self, name: str) -> LayerPages | None:
         """Return a layer by name, or None for layers without their own pages."""
@@ -177,7 +198,24 @@ class StagingPool:
             self._free.append(tensor)
 
 
-def row_buffers(rows: torch.Tensor) -> list[memoryview]:
-    """Return a writable byte view of each row of a contiguous host uint8 tensor."""
+def row_payloads(rows: torch.Tensor) -> list[list[memoryview]]:
+    """Return each row of a contiguous host uint8 tensor as a one-segment payload."""
     array = rows.numpy()
-    return [memoryview(array[index]) for index in range(array.shape[0])]
+    return [[memoryview(array[index])] for index in range(array.shape[0])]
+
+
+def _page_rows(pages: Sequence[LayerPages]) -> list[tuple[memoryview, int, int]] | None:
+    """Return, per layer, a writable byte view of its memory from block 0 on, the byte
+    stride between blocks and the page size; None unless every page of every layer
+    is one contiguous range of memory."""
+    rows = []
+    for layer in pages:
+        tensor, dim = layer.tensor, layer.block_dim
+        if not tensor.select(dim, 0).is_contiguous() or tensor.stride(dim) <= 0:
+            return None
+        page = tensor.numel() // tensor.shape[dim]
+        span = (tensor.shape[dim] - 1) * tensor.stride(dim) + page
+        flat = torch.as_strided(tensor, (span,), (1,), tensor.storage_offset())
+        memory = flat.view(torch.uint8).numpy().data
+        rows.append((memory, tensor.stride(dim) * tensor.element_size(), layer.page_bytes))
+    return rows

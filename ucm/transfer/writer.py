@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ucm.store.base import Backend, BlockKey, Buffer
+from ucm.store.base import Backend, BlockKey, Segments, segments_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,24 +41,24 @@ class BackgroundWriter:
         self,
         backend: Backend,
         keys: Sequence[BlockKey],
-        buffers: Sequence[Buffer],
+        payloads: Sequence[Segments],
         on_done: Callable[[], None],
     ) -> None:
-        """Write blocks in the background; the buffers must stay valid until ``on_done``.
+        """Write blocks in the background; the payloads must stay valid until ``on_done``.
 
         Blocks (backpressure) while more than ``max_pending_bytes`` are waiting.
 
         Args:
             backend: The tier to write.
             keys: The keys to write.
-            buffers: One payload per key.
+            payloads: Segments per key whose concatenation is its payload.
             on_done: Called on a writer thread once the write finished, failed or not.
         """
-        nbytes = sum(buffer.nbytes for buffer in buffers)
+        nbytes = sum(segments_nbytes(segments) for segments in payloads)
         with self._done:
             self._done.wait_for(lambda: self._pending_bytes == 0 or self._fits(nbytes))
             self._pending_bytes += nbytes
-            future = self._pool.submit(self._write, backend, list(keys), list(buffers))
+            future = self._pool.submit(self._write, backend, list(keys), list(payloads))
             for key in keys:
                 self._pending[key] = future
         future.add_done_callback(lambda _: self._finish(keys, future, nbytes, on_done))
@@ -83,9 +83,9 @@ class BackgroundWriter:
         return self._pending_bytes + nbytes <= self._max_pending
 
     @staticmethod
-    def _write(backend: Backend, keys: list[BlockKey], buffers: list[Buffer]) -> int:
+    def _write(backend: Backend, keys: list[BlockKey], payloads: list[Segments]) -> int:
         """Write one batch; return how many blocks failed."""
-        return backend.dump(keys, buffers).wait().count(False)
+        return backend.dump(keys, payloads).wait().count(False)
 
     def _finish(
         self,

@@ -83,7 +83,8 @@ class UCMConnector(KVConnectorBase_V1):
         self._worker_half().clear()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's blocks into the paged buffer; a failure becomes a load error."""
+        """Start loading this step's blocks into the paged buffer; a failure becomes a
+        load error."""
         worker = self._worker_half()
         try:
             worker.start_load_kv()
@@ -92,7 +93,14 @@ class UCMConnector(KVConnectorBase_V1):
             worker.fail_pending_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Return at once: every load of the step finished in ``start_load_kv``."""
+        """Block until the step's loads of this layer are in place; a failure becomes a
+        load error."""
+        worker = self._worker_half()
+        try:
+            worker.wait_for_layer_load(layer_name)
+        except Exception:  # noqa: BLE001 - fault barrier: a bad load must mean recompute
+            logger.exception("ucm: loading KV of %s failed; the blocks are recomputed", layer_name)
+            worker.fail_pending_loads()
 
     def save_kv_layer(
         self,

@@ -1,28 +1,38 @@
 """The worker half of the connector: moves blocks between vLLM's paged KV and the tiers.
 
 It carries out the scheduler half's instructions and decides nothing about placement
-or eviction. Per step: delete evicted blocks, load planned blocks into the paged
-buffer before the forward pass (falling back to other tiers when a read fails),
-copy saved blocks out per layer as the forward pass writes them, and write them to
-their tiers before the step ends.
+or eviction. Per step:
+
+- delete the blocks the scheduler evicted;
+- start reading the step's blocks on the reader threads (``start_load_kv``), straight
+  into the KV pages where they are contiguous host memory, else into staging rows;
+- finish them layer by layer as the forward pass reaches each layer
+  (``wait_for_layer_load``), once vLLM has shown that it calls that hook for every
+  layer; until then, and under wrappers that never call it, loads finish before the
+  forward pass starts;
+- copy saved blocks out as the forward pass writes them, and write them to their
+  tiers: in-memory tiers at once, persistent ones in the background.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
 
 from ucm.config import TierConfig, UCMConfig
-from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
 from ucm.integration.vllm.model_info import estimated_block_bytes, num_shards
 from ucm.keys import shard_key
-from ucm.store.base import Backend, BlockKey
+from ucm.store.base import Backend, BlockKey, Segments
 from ucm.store.registry import backend_class
-from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_buffers
+from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_payloads
+from ucm.transfer.reader import BlockRead, BlockReader, PendingReads
 from ucm.transfer.writer import BackgroundWriter
 
 if TYPE_CHECKING:
@@ -37,6 +47,30 @@ def _shard_index() -> int:
 
     tp = get_tp_group()
     return int(get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group)
+
+
+@dataclass
+class _StepLoad:
+    """A step's loads in flight."""
+
+    loads: list[BlockLoad]
+    """The scheduler's instructions."""
+    payloads: Sequence[Segments]
+    """Where each block is read to: its KV pages, or a staging row."""
+    reads: PendingReads
+    """The reads running on the reader threads."""
+    rows: torch.Tensor | None
+    """Staging rows to scatter into the pages layer by layer (None: read in place)."""
+    layerwise: bool
+    """Whether the forward pass started before the loads finished."""
+    pending_layers: set[str]
+    """Layers whose pages the forward pass may not read yet."""
+    ok: list[bool] | None = None
+    """Per load, whether it succeeded (once the reads finished)."""
+    loaded_ids: torch.Tensor | None = None
+    """Block ids of the loads that succeeded (once the reads finished)."""
+    staged: list[int] = field(default_factory=list)
+    """Staging rows of the loads that succeeded."""
 
 
 class UCMWorker:
@@ -61,12 +95,18 @@ class UCMWorker:
         self._num_shards = num_shards(vllm_config)
         self._shard = _shard_index() if self._num_shards > 1 else 0
         self._paged: PagedKV | None = None
+        self._in_place = False  # Whether stores read and write the KV pages themselves.
         self._tiers: list[Backend] = []
         self._staging: StagingPool | None = None
-        self._save_rows: torch.Tensor | None = None  # This step's, until its writes finish.
-        self._writer = BackgroundWriter(config.max_pending_write_bytes)
+        self._reader = BlockReader(config.io_threads)
+        self._writer = BackgroundWriter(config.max_pending_write_bytes, config.io_threads)
         self._meta = UCMConnectorMetadata()
+        self._step_load: _StepLoad | None = None
+        self._layerwise = False  # Set once vLLM called wait_for_layer_load for every layer.
+        self._waited: set[str] = set()  # Layers vLLM waited for in this step.
+        self._save_rows: torch.Tensor | None = None  # This step's, until its writes finish.
         self._save_block_ids: torch.Tensor | None = None
+        self._stage_saves = False
         self._gathered: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -79,13 +119,15 @@ class UCMWorker:
             backend = getattr(context.get(name), "attn_backend", None)
             layers.append((name, tensor, find_block_dim(tensor, backend, num_blocks)))
         self._paged = paged = PagedKV(layers)
+        self._in_place = paged.in_place and self._config.in_place
         pin = paged.device.type == "cuda"
         self._staging = StagingPool(paged.block_bytes, pin)
         self._tiers = [self._open_tier(tier, paged.block_bytes) for tier in self._config.tiers]
         logger.info(
-            "ucm: %d KV layers, %d bytes per block, tiers %s",
+            "ucm: %d KV layers, %d bytes per block, pages %s, tiers %s",
             len(paged.layers),
             paged.block_bytes,
+            "read and written in place" if self._in_place else "copied through staging",
             [tier.backend for tier in self._config.tiers],
         )
 
@@ -93,11 +135,17 @@ class UCMWorker:
         """Accept this step's instructions."""
         self._ensure_registered()
         self._meta = meta
+        self._waited = set()
         self._gathered = set()
         self._save_block_ids = None
+        persistent = {t for t, tier in enumerate(self._tiers) if tier.capabilities.persistent}
+        self._stage_saves = any(
+            not self._in_place or persistent.intersection(save.tiers) for save in meta.saves
+        )
 
     def clear(self) -> None:
         """Drop this step's instructions (and its staging rows, if nobody writes them)."""
+        self._finish_load()
         self._meta = UCMConnectorMetadata()
         self._save_block_ids = None
         if self._save_rows is not None and self._staging is not None:
@@ -105,53 +153,54 @@ class UCMWorker:
         self._save_rows = None
 
     def start_load_kv(self) -> None:
-        """Delete evicted blocks, then load this step's blocks into the paged buffer."""
+        """Delete evicted blocks, then start reading this step's blocks.
+
+        Until vLLM has shown that it calls :meth:`wait_for_layer_load` for every layer,
+        the loads also finish here, before the forward pass.
+        """
+        self._finish_load()
         self._apply_evictions()
         loads = self._meta.loads
-        if not loads or self._staging is None:
+        if not loads or self._paged is None or self._staging is None:
             return
         self._writer.wait_for([self._shard_key(load.key) for load in loads])
-        staging = self._staging.acquire(len(loads))
-        try:
-            self._load(staging[: len(loads)])
-        finally:
-            self._staging.release(staging)
-
-    def _load(self, rows: torch.Tensor) -> None:
-        """Read this step's blocks into ``rows``, scatter them, then promote them."""
-        assert self._paged is not None
-        loads = self._meta.loads
-        buffers = row_buffers(rows)
-        ok = [False] * len(loads)
-        by_tier: dict[int, list[int]] = defaultdict(list)
-        for index, load in enumerate(loads):
-            by_tier[load.tier].append(index)
-        for tier, indices in by_tier.items():
-            self._read(tier, indices, buffers, ok)
-        for tier in range(len(self._tiers)):
-            missing = [i for i, done in enumerate(ok) if not done and loads[i].tier != tier]
-            if missing:
-                self._read(tier, missing, buffers, ok)
-        loaded = [index for index, done in enumerate(ok) if done]
-        self._load_errors.update(
-            load.block_id for load, done in zip(loads, ok, strict=True) if not done
+        rows = None
+        if self._in_place:
+            payloads = self._paged.block_pages([load.block_id for load in loads])
+        else:
+            rows = self._staging.acquire(len(loads))
+            payloads = row_payloads(rows[: len(loads)])
+        reads = [
+            BlockRead(self._shard_key(load.key), load.tier, payload)
+            for load, payload in zip(loads, payloads, strict=True)
+        ]
+        self._step_load = _StepLoad(
+            loads=loads,
+            payloads=payloads,
+            reads=self._reader.start(self._tiers, reads),
+            rows=rows,
+            layerwise=self._layerwise,
+            pending_layers={layer.name for layer in self._paged.layers},
         )
-        if loaded:
-            block_ids = torch.tensor([loads[i].block_id for i in loaded], device=self._paged.device)
-            source = rows[loaded] if len(loaded) < len(loads) else rows
+        if not self._layerwise:
             for layer in self._paged.layers:
-                self._paged.scatter(layer, block_ids, source)
-        promotions: dict[int, list[int]] = defaultdict(list)
-        for index in loaded:
-            for tier in loads[index].promote_to:
-                promotions[tier].append(index)
-        for tier, indices in promotions.items():
-            self._write(tier, indices, [loads[i].key for i in indices], buffers)
+                self._make_ready(self._step_load, layer.name)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this step's loads of ``layer_name`` are in the paged buffer."""
+        self._waited.add(layer_name)
+        if self._step_load is not None:
+            self._make_ready(self._step_load, layer_name)
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Copy this layer's pages of the blocks being saved, now that it wrote them."""
+        """Copy this layer's pages of the blocks being saved, now that it wrote them.
+
+        Only needed where the saves go through staging rows: for persistent tiers,
+        which are written after the paged blocks may have been reused, and where the
+        pages are not contiguous host memory.
+        """
         saves = self._meta.saves
-        if not saves or self._paged is None or self._staging is None:
+        if not self._stage_saves or self._paged is None or self._staging is None:
             return
         layer = self._paged.layer(layer_name)
         if layer is None or layer_name in self._gathered:
@@ -164,48 +213,41 @@ class UCMWorker:
         self._gathered.add(layer_name)
 
     def wait_for_save(self) -> None:
-        """Finish copying saved blocks out, then write them to their tiers.
+        """Finish the step's loads, then write its saved blocks to their tiers.
 
-        In-memory tiers are written now; persistent tiers (disk, remote) in the
-        background, from staging rows that stay reserved until their writes finish.
-        The paged blocks themselves are free for vLLM to reuse when this returns.
+        In-memory tiers are written now, from the pages themselves where they are
+        contiguous host memory; persistent tiers (disk, remote) in the background,
+        from staging rows that stay reserved until their writes finish. The paged
+        blocks are free for vLLM to reuse when this returns.
         """
+        self._finish_load()
         saves = self._meta.saves
-        if not saves or self._paged is None:
+        if not saves or self._paged is None or self._staging is None:
             return
         for layer in self._paged.layers:
             self.save_kv_layer(layer.name)
         self._apply_evictions()  # Before any write, whichever hook vLLM calls first.
         rows, self._save_rows = self._save_rows, None
-        assert rows is not None and self._staging is not None
-        buffers = row_buffers(rows[: len(saves)])
+        staged = row_payloads(rows[: len(saves)]) if rows is not None else None
         by_tier: dict[int, list[int]] = defaultdict(list)
         for index, save in enumerate(saves):
             for tier in save.tiers:
                 by_tier[tier].append(index)
         background = [t for t in by_tier if self._tiers[t].capabilities.persistent]
-        for tier, indices in by_tier.items():
-            if tier not in background:
-                self._write(tier, indices, [saves[i].key for i in indices], buffers)
+        in_memory = [t for t in by_tier if t not in background]
+        if in_memory:
+            payloads = staged or self._paged.block_pages([save.block_id for save in saves])
+            for tier in in_memory:
+                indices = by_tier[tier]
+                self._write(tier, [saves[i].key for i in indices], [payloads[i] for i in indices])
         self._meta = UCMConnectorMetadata()
+        if rows is None:
+            return
         if not background:
             self._staging.release(rows)
             return
-        remaining = [len(background)]
-        lock = threading.Lock()
-        pool = self._staging
-
-        def release_when_all_done() -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    pool.release(rows)
-
-        for tier in background:
-            indices = by_tier[tier]
-            keys = [self._shard_key(saves[i].key) for i in indices]
-            chosen = [buffers[i] for i in indices]
-            self._writer.submit(self._tiers[tier], keys, chosen, release_when_all_done)
+        assert staged is not None
+        self._write_behind(saves, rows, staged, {tier: by_tier[tier] for tier in background})
 
     def fail_pending_loads(self) -> None:
         """Report every load of this step as failed (after an unexpected error)."""
@@ -221,11 +263,106 @@ class UCMWorker:
         self._writer.flush()
 
     def close(self) -> None:
-        """Finish background writes, then close every tier."""
+        """Finish transfers, then close every tier."""
+        self._finish_load()
+        self._reader.close()
         self._writer.close()
         for tier in self._tiers:
             tier.close()
         self._tiers = []
+
+    def _make_ready(self, step: _StepLoad, layer_name: str) -> None:
+        """Finish the step's reads (once), then put the layer's loaded pages in place."""
+        if layer_name not in step.pending_layers:
+            return
+        assert self._paged is not None
+        if step.ok is None:
+            step.ok = step.reads.wait()
+            loaded = [i for i, done in enumerate(step.ok) if done]
+            ids = [step.loads[i].block_id for i in loaded]
+            step.loaded_ids = torch.tensor(ids, device=self._paged.device)
+            step.staged = loaded
+        if step.rows is None:  # Read in place: every layer is ready.
+            step.pending_layers.clear()
+            return
+        layer = self._paged.layer(layer_name)
+        step.pending_layers.discard(layer_name)
+        if layer is not None and step.staged:
+            assert step.loaded_ids is not None
+            count = len(step.loads)
+            rows = step.rows[step.staged] if len(step.staged) < count else step.rows[:count]
+            self._paged.scatter(layer, step.loaded_ids, rows)
+
+    def _finish_load(self) -> None:
+        """Complete the step's loads after the forward pass: report errors, promote.
+
+        Loads that the forward pass may have read before they were in place (vLLM did
+        not wait for their layer) are reported as errors, so that vLLM recomputes
+        them, and loads stop overlapping the forward pass.
+        """
+        step, self._step_load = self._step_load, None
+        if step is None:
+            return
+        missed = set(step.pending_layers)
+        for name in missed:
+            self._make_ready(step, name)
+        assert step.ok is not None
+        if step.layerwise and missed:
+            logger.warning(
+                "ucm: vLLM did not wait for the loads of %d layers; they are recomputed and "
+                "loads finish before the forward pass from now on",
+                len(missed),
+            )
+            self._layerwise = False
+            step.ok = [False] * len(step.loads)
+        elif not step.layerwise and self._paged is not None:
+            self._layerwise = all(layer.name in self._waited for layer in self._paged.layers)
+            if self._layerwise:
+                logger.info("ucm: vLLM waits for every layer; loads now overlap the forward pass")
+        self._load_errors.update(
+            load.block_id for load, done in zip(step.loads, step.ok, strict=True) if not done
+        )
+        promotions: dict[int, list[int]] = defaultdict(list)
+        for index, load in enumerate(step.loads):
+            if step.ok[index]:
+                for tier in load.promote_to:
+                    promotions[tier].append(index)
+        for tier, indices in promotions.items():
+            keys = [step.loads[i].key for i in indices]
+            self._write(tier, keys, [step.payloads[i] for i in indices])
+        if step.rows is not None and self._staging is not None:
+            self._staging.release(step.rows)
+
+    def _write_behind(
+        self,
+        saves: list[BlockSave],
+        rows: torch.Tensor,
+        payloads: Sequence[Segments],
+        by_tier: dict[int, list[int]],
+    ) -> None:
+        """Write staged saves to persistent tiers in the background, then free the rows.
+
+        Args:
+            saves: The step's saves.
+            rows: The staging rows holding them.
+            payloads: The rows' payloads, per save.
+            by_tier: Per persistent tier, the indices of the saves it gets.
+        """
+        remaining = [len(by_tier)]
+        lock = threading.Lock()
+        pool = self._staging
+        assert pool is not None
+
+        def release_when_all_done() -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    pool.release(rows)
+
+        for tier, indices in by_tier.items():
+            keys = [self._shard_key(saves[i].key) for i in indices]
+            chosen = [payloads[i] for i in indices]
+            self._writer.submit(self._tiers[tier], keys, chosen, release_when_all_done)
 
     def _apply_evictions(self) -> None:
         """Delete the blocks the scheduler evicted this step (once per step).
@@ -266,20 +403,10 @@ class UCMWorker:
     def _shard_key(self, key: BlockKey) -> BlockKey:
         return shard_key(key, self._shard, self._num_shards)
 
-    def _read(
-        self, tier: int, indices: list[int], buffers: list[memoryview], ok: list[bool]
-    ) -> None:
-        loads = self._meta.loads
-        keys = [self._shard_key(loads[i].key) for i in indices]
-        results = self._tiers[tier].load(keys, [buffers[i] for i in indices]).wait()
-        for index, done in zip(indices, results, strict=True):
-            ok[index] = ok[index] or done
-
-    def _write(
-        self, tier: int, indices: list[int], keys: list[BlockKey], buffers: list[memoryview]
-    ) -> None:
+    def _write(self, tier: int, keys: list[BlockKey], payloads: Sequence[Segments]) -> None:
+        """Write blocks to a tier now (in-memory tiers), logging the ones it refused."""
         shard_keys = [self._shard_key(key) for key in keys]
-        results = self._tiers[tier].dump(shard_keys, [buffers[i] for i in indices]).wait()
+        results = self._tiers[tier].dump(shard_keys, payloads).wait()
         if not all(results):
             logger.warning(
                 "ucm: %d of %d blocks not written to tier %d",
