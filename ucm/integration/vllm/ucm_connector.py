@@ -78,9 +78,12 @@ class UCMConnector(KVConnectorBase_V1):
         self._worker_half().bind(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
-        """Drop this step's instructions."""
+        """Drop this step's instructions (finishing its loads if nothing did)."""
         super().clear_connector_metadata()
-        self._worker_half().clear()
+        try:
+            self._worker_half().clear()
+        except Exception:  # noqa: BLE001 - fault barrier: failed loads are reported as errors
+            logger.exception("ucm: finishing this step's transfers failed")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start loading this step's blocks into the paged buffer; a failure becomes a

@@ -303,6 +303,17 @@ class UCMWorker:
         step, self._step_load = self._step_load, None
         if step is None:
             return
+        try:
+            self._complete_load(step)
+        except Exception:
+            self._load_errors.update(load.block_id for load in step.loads)  # Recompute them.
+            raise
+        finally:
+            if step.rows is not None and self._staging is not None:
+                self._staging.release(step.rows)
+
+    def _complete_load(self, step: _StepLoad) -> None:
+        """Put any pages not yet in place, report failed loads, promote loaded blocks."""
         missed = set(step.pending_layers)
         for name in missed:
             self._make_ready(step, name)
@@ -330,8 +341,6 @@ class UCMWorker:
         for tier, indices in promotions.items():
             keys = [step.loads[i].key for i in indices]
             self._write(tier, keys, [step.payloads[i] for i in indices])
-        if step.rows is not None and self._staging is not None:
-            self._staging.release(step.rows)
 
     def _write_behind(
         self,
