@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,8 +69,8 @@ class _StepLoad:
     """Per load, whether it succeeded (once the reads finished)."""
     loaded_ids: torch.Tensor | None = None
     """Block ids of the loads that succeeded (once the reads finished)."""
-    staged: list[int] = field(default_factory=list)
-    """Staging rows of the loads that succeeded."""
+    loaded_rows: torch.Tensor | None = None
+    """Their staging rows, in the same order (once the reads finished; staging only)."""
 
 
 class UCMWorker:
@@ -281,17 +281,18 @@ class UCMWorker:
             loaded = [i for i, done in enumerate(step.ok) if done]
             ids = [step.loads[i].block_id for i in loaded]
             step.loaded_ids = torch.tensor(ids, device=self._paged.device)
-            step.staged = loaded
+            if step.rows is not None:  # Selected once, not per layer.
+                count = len(step.loads)
+                all_loaded = len(loaded) == count
+                step.loaded_rows = step.rows[:count] if all_loaded else step.rows[loaded]
         if step.rows is None:  # Read in place: every layer is ready.
             step.pending_layers.clear()
             return
         layer = self._paged.layer(layer_name)
         step.pending_layers.discard(layer_name)
-        if layer is not None and step.staged:
-            assert step.loaded_ids is not None
-            count = len(step.loads)
-            rows = step.rows[step.staged] if len(step.staged) < count else step.rows[:count]
-            self._paged.scatter(layer, step.loaded_ids, rows)
+        if layer is not None and step.loaded_ids is not None and len(step.loaded_ids):
+            assert step.loaded_rows is not None
+            self._paged.scatter(layer, step.loaded_ids, step.loaded_rows)
 
     def _finish_load(self) -> None:
         """Complete the step's loads after the forward pass: report errors, promote.
