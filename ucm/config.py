@@ -22,10 +22,11 @@ CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 """The inline key whose value is the path of a YAML configuration file."""
 
 _TOP_LEVEL_KEYS = frozenset(
-    {"tiers", "model_id", "max_pending_write_bytes", "io_threads", "in_place"}
+    {"tiers", "model_id", "max_pending_write_bytes", "io_threads", "in_place", "async_load"}
 )
 _DEFAULT_MAX_PENDING_WRITE_BYTES = 512 << 20
 _DEFAULT_IO_THREADS = 4
+_FLAGS = {"in_place": True, "async_load": False}  # Boolean settings and their defaults.
 _TIER_COMMON_KEYS = frozenset({"backend", "capacity"})
 _SIZE_UNITS = {
     "": 1,
@@ -81,6 +82,13 @@ class UCMConfig:
     in_place: bool = True
     """Let stores read and write vLLM's KV pages directly where each page is contiguous
     host memory; False copies every block through staging memory, as on a GPU."""
+    async_load: bool = False
+    """Load requests whose stored prefix comes (partly) from a persistent tier in the
+    background: vLLM keeps scheduling other requests and resumes the request once its
+    blocks are in place. Needs vLLM to call the connector's ``get_finished``, which it
+    does when ``kv_connector`` is ``UCMConnector``; leave it off under a wrapper
+    connector that does not forward ``get_finished`` (such a request would never
+    resume)."""
 
 
 def default_cache_dir() -> Path:
@@ -185,12 +193,13 @@ def parse_config(extra_config: Mapping[str, Any] | None) -> UCMConfig:
     io_threads = settings.get("io_threads", _DEFAULT_IO_THREADS)
     if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
         raise ConfigError(f"io_threads: expected a positive integer, got {io_threads!r}")
-    in_place = settings.get("in_place", True)
-    if not isinstance(in_place, bool):
-        raise ConfigError(f"in_place: expected true or false, got {in_place!r}")
+    flags = {name: settings.get(name, default) for name, default in _FLAGS.items()}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
     return UCMConfig(
         tiers=tiers,
-        in_place=in_place,
+        **flags,
         model_id=model_id,
         max_pending_write_bytes=parse_size(pending, "max_pending_write_bytes"),
         io_threads=io_threads,
@@ -223,6 +232,8 @@ def _parse_tier(raw: object, key: str) -> TierConfig:
                 f"{key}.{option}: unknown key for backend {name!r} (value {value!r}); "
                 f"known keys: {known}"
             )
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
             raise ConfigError(f"{key}.{option}: expected {expected.__name__}, got {value!r}")
         options[option] = value

@@ -28,7 +28,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -52,9 +52,20 @@ def prompt(num_tokens: int, seed: int) -> list[int]:
     return make_prompt_token_ids(num_tokens, seed=seed, vocab_size=TINY.vocab_size)
 
 
-def posix_tiers(store: Path) -> list[dict[str, Any]]:
-    """Return ucm settings for one ``posix`` tier in ``store``."""
-    return [{"backend": "posix", "path": str(store), "capacity": "1GiB"}]
+def posix_tiers(store: Path, index_refresh_seconds: float = 0.0) -> list[dict[str, Any]]:
+    """Return ucm settings for one ``posix`` tier in ``store``.
+
+    Tests store blocks behind the connector's back while it runs, so by default its
+    lookups ask the store itself rather than an in-memory view refreshed every second.
+    """
+    return [
+        {
+            "backend": "posix",
+            "path": str(store),
+            "capacity": "1GiB",
+            "index_refresh_seconds": index_refresh_seconds,
+        }
+    ]
 
 
 @dataclass
@@ -150,8 +161,13 @@ class Harness:
         self.steps.append(step)
         return step
 
-    def update(self, step: Step) -> None:
-        """Play the model runner: one token per request that has consumed its whole prompt."""
+    def update(self, step: Step, kv_output: KVConnectorOutput | None = None) -> None:
+        """Play the model runner: one token per request that has consumed its whole prompt.
+
+        Args:
+            step: The step to answer.
+            kv_output: What the workers' connectors report (finished loads, failed blocks).
+        """
         req_ids = list(step.output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -164,6 +180,7 @@ class Harness:
             req_ids=req_ids,
             req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=kv_output,
         )
         self.scheduler.update_from_output(step.output, runner_output)
         if self.persist_saves and self.store is not None and step.meta.saves:
@@ -246,6 +263,9 @@ def make_harness(
     num_blocks: int = 200,
     enable_prefix_caching: bool = True,
     max_num_batched_tokens: int = 1024,
+    settings: dict[str, Any] | None = None,
+    failure_policy: str = "fail",
+    role: str = "kv_both",
 ) -> Harness:
     """Build vLLM's scheduler with ``UCMConnector`` over ``tiers`` (after vLLM's test utils).
 
@@ -254,7 +274,7 @@ def make_harness(
     """
     plugin.register()
     init_none_hash(sha256)
-    extra = {"tiers": tiers}
+    extra = {"tiers": tiers, **(settings or {})}
     model_config = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=4096)
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -269,7 +289,10 @@ def make_harness(
             block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=enable_prefix_caching
         ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="UCMConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            kv_connector="UCMConnector",
+            kv_role=role,
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=failure_policy,
         ),
         device_config=DeviceConfig("cpu"),
     )

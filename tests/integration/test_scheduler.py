@@ -12,9 +12,11 @@ really allocated.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from tests.integration.scheduler_harness import (
@@ -308,3 +310,80 @@ def test_promotion_never_evicts_a_block_loaded_in_the_same_step(
     assert step.loaded("from-dram") == [0]
     assert [load.tier for load in step.meta.loads] == [1, 0]
     assert kept not in step.meta.evictions.get(0, [])
+
+
+def test_background_load_resumes_the_request_when_the_worker_reports_it(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    h = make_harness(tiny_model, posix_tiers(tmp_path / "store"), settings={"async_load": True})
+    tokens = prompt(8 * BLOCK + 5, seed=40)
+    keys = h.chain(tokens)
+    h.put(keys[:6])
+    request = h.add("waits", tokens, max_tokens=3)
+
+    first = h.schedule()
+    assert not first.output.num_scheduled_tokens  # Nothing to compute while it loads.
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (table,) = h.scheduler.kv_cache_manager.get_block_ids("waits")
+    loads = [(load.block_id, load.key) for load in first.meta.async_loads["waits"]]
+    assert loads == [(table[i], keys[i]) for i in range(6)]
+    assert not first.meta.loads
+    h.update(first)
+
+    idle = h.step()  # The worker has not reported the load yet: the request waits.
+    assert not idle.output.num_scheduled_tokens and not idle.meta.async_loads
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    h.update(h.schedule(), KVConnectorOutput(finished_recving={"waits"}))
+    resumed = h.schedule()
+    assert resumed.output.num_scheduled_tokens == {"waits": len(tokens) - 6 * BLOCK}
+    assert resumed.computed["waits"] == 6 * BLOCK
+    assert not resumed.meta.loads and not resumed.meta.async_loads  # Loaded once only.
+    assert [save.key for save in resumed.meta.saves] == keys[6:8]
+    h.update(resumed)
+    h.run()
+    assert len(request.output_token_ids) == 3
+    h.assert_no_leaks()
+
+
+def test_block_that_failed_to_load_is_not_offered_again(tiny_model: str, tmp_path: Path) -> None:
+    # A consumer never saves, so nothing but the failure report changes what is offered.
+    h = make_harness(
+        tiny_model,
+        posix_tiers(tmp_path / "store"),
+        failure_policy="recompute",
+        role="kv_consumer",
+    )
+    tokens = prompt(8 * BLOCK + 5, seed=41)
+    keys = h.chain(tokens)
+    h.put(keys[:6])
+    h.add("first", tokens, max_tokens=2)
+    step = h.schedule()
+    assert step.loaded("first") == list(range(6))
+    h.update(step, KVConnectorOutput(invalid_block_ids={step.tables["first"][3]}))
+    assert h.step().computed["first"] == 3 * BLOCK  # vLLM recomputes from block 3.
+    h.run()
+    h.assert_no_leaks()
+
+    assert h.scheduler.reset_prefix_cache()
+    h.add("second", tokens, max_tokens=2)
+    again = h.schedule()
+    assert again.loaded("second") == list(range(3))  # Block 3 and beyond: recomputed.
+    h.update(again)
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_in_memory_index_sees_blocks_stored_by_others(tiny_model: str, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    h = make_harness(tiny_model, posix_tiers(store, index_refresh_seconds=0.05))
+    tokens = prompt(6 * BLOCK + 5, seed=42)
+    keys = h.chain(tokens)
+    h.put(keys[:4])
+    time.sleep(0.5)  # Several refreshes of the connector's view of the store.
+    h.add("later", tokens, max_tokens=2)
+    step = h.schedule()
+    assert step.loaded("later") == list(range(4))
+    h.update(step)
+    h.run()
+    h.assert_no_leaks()

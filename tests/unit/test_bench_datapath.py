@@ -19,7 +19,8 @@ def test_datapath_benchmark_reports_rates_ratios_and_lookup(tmp_path: Path) -> N
     assert set(results["lookup"]) == {  # type: ignore[arg-type]
         "key hashing (us)",
         "dram prefix lookup (us)",
-        "posix prefix lookup (us)",
+        "posix, in-memory index prefix lookup (us)",
+        "posix, stat prefix lookup (us)",
     }
     report = datapath.markdown(results)
     assert "| dram save |" in report and "prefix lookup" in report

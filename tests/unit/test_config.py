@@ -34,6 +34,13 @@ def test_embedded_default_is_dram_over_posix(
     assert default_cache_dir() == tmp_path / "ucm"
 
 
+def test_float_options_accept_integers(tmp_path: Path) -> None:
+    tier = {"backend": "posix", "capacity": 1, "path": str(tmp_path), "index_refresh_seconds": 2}
+    (parsed,) = parse_config({"tiers": [tier]}).tiers
+    assert parsed.options["index_refresh_seconds"] == 2.0
+    assert isinstance(parsed.options["index_refresh_seconds"], float)
+
+
 def test_inline_keys_override_the_file(tmp_path: Path) -> None:
     path = tmp_path / "ucm.yaml"
     path.write_text(
@@ -65,6 +72,19 @@ def test_inline_keys_override_the_file(tmp_path: Path) -> None:
         (
             {"tiers": [{"backend": "posix", "capacity": 1, "path": "/tmp", "fsync": "yes"}]},
             "tiers\\[0\\].fsync: expected bool",
+        ),
+        (
+            {
+                "tiers": [
+                    {
+                        "backend": "posix",
+                        "capacity": 1,
+                        "path": "/tmp",
+                        "index_refresh_seconds": "1",
+                    }
+                ]
+            },
+            "tiers\\[0\\].index_refresh_seconds: expected float",
         ),
         ({"model_id": 3}, "model_id: expected a string"),
         ({"io_threads": 0}, "io_threads: expected a positive integer, got 0"),

@@ -48,7 +48,7 @@ def loads(backend: Backend, index: int, size: int = 100) -> bool:
 def test_capabilities_and_options() -> None:
     assert PosixBackend.capabilities.persistent
     assert PosixBackend.capabilities.shared
-    assert PosixBackend.option_types == {"path": str, "fsync": bool}
+    assert PosixBackend.option_types == {"path": str, "fsync": bool, "index_refresh_seconds": float}
 
 
 def test_from_tier(tmp_path: Path) -> None:

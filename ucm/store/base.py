@@ -97,6 +97,30 @@ class CompletedTask(Task):
         return list(self._results)
 
 
+class KeyIndex(abc.ABC):
+    """An in-memory view of the keys a store holds, for lookups without I/O.
+
+    The view may lag behind the store (other processes write and delete), so callers
+    must treat a hit as likely, not certain: a load can still miss.
+    """
+
+    @abc.abstractmethod
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return, per key, whether the view holds it (no I/O).
+
+        Args:
+            keys: The keys to check.
+        """
+
+    @abc.abstractmethod
+    def refresh(self) -> None:
+        """Bring the view up to date with the store now (it also refreshes on its own)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop keeping the view fresh and release it."""
+
+
 class Backend(abc.ABC):
     """One storage tier: a bounded map from :data:`BlockKey` to payload bytes.
 
@@ -188,6 +212,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> Usage:
         """Return how full the backend is."""
+
+    def key_index(self) -> KeyIndex | None:
+        """Open a live in-memory view of the stored keys, if the backend offers one.
+
+        Lookups through ``lookup`` are exact but may cost I/O; the view costs none.
+        The caller closes the view.
+
+        Returns:
+            The view, or None when this backend has none (the default).
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release resources; the backend must not be used afterwards."""

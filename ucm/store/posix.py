@@ -29,11 +29,13 @@ from ucm.store.base import (
     Buffer,
     Capabilities,
     CompletedTask,
+    KeyIndex,
     Segments,
     Task,
     Usage,
     segments_nbytes,
 )
+from ucm.store.posix_index import DirectoryIndex
 
 if TYPE_CHECKING:
     from typing import Self
@@ -46,6 +48,8 @@ _MAGIC, _VERSION = b"UCMB", 1
 _HEADER = struct.Struct(f"<4sHHQ{MAX_KEY_BYTES}s")  # Magic, version, key length, size, key.
 HEADER_BYTES = _HEADER.size
 """Size of the header that precedes every payload (48)."""
+DEFAULT_INDEX_REFRESH_SECONDS = 1.0
+"""Default seconds between refreshes of the scheduler's in-memory view of the store."""
 _STALE_TMP_SECONDS = 3600.0  # Age at which a leftover .tmp file is removed in any case.
 _IOV_MAX = 512  # Buffers per vectored call; POSIX guarantees at least 16, Linux 1024.
 _HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
@@ -58,21 +62,41 @@ class PosixBackend(Backend):
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=True)
-    option_types: ClassVar[Mapping[str, type]] = {"path": str, "fsync": bool}
+    option_types: ClassVar[Mapping[str, type]] = {
+        "path": str,
+        "fsync": bool,
+        "index_refresh_seconds": float,
+    }
 
-    def __init__(self, root: Path, capacity_bytes: int, *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        *,
+        fsync: bool = False,
+        index_refresh_seconds: float = DEFAULT_INDEX_REFRESH_SECONDS,
+    ) -> None:
         """Open (creating if needed) a block directory and index the blocks already in it.
 
         Args:
             root: The directory; blocks go under ``root/v1``.
             capacity_bytes: The most payload bytes this process keeps in the directory.
             fsync: Flush each block's data to stable storage before renaming it into place.
+            index_refresh_seconds: Seconds between refreshes of the in-memory view that
+                :meth:`key_index` opens; 0 opens none (every lookup asks the filesystem).
 
         Raises:
-            ValueError: ``capacity_bytes`` is negative, or ``root`` is not a writable directory.
+            ValueError: ``capacity_bytes`` or ``index_refresh_seconds`` is negative, or
+                ``root`` is not a writable directory.
         """
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
+        if index_refresh_seconds < 0:
+            raise ValueError(
+                f"posix backend: index_refresh_seconds must not be negative, "
+                f"got {index_refresh_seconds}"
+            )
+        self._index_refresh_seconds = index_refresh_seconds
         self._dir = Path(root) / f"v{_VERSION}"
         try:
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -92,15 +116,23 @@ class PosixBackend(Backend):
         """Build the backend from its tier configuration.
 
         Args:
-            tier: The tier's settings; option ``path`` is required, ``fsync`` optional.
+            tier: The tier's settings; option ``path`` is required, ``fsync`` and
+                ``index_refresh_seconds`` optional.
 
         Raises:
             ValueError: The ``path`` option is missing, or the directory is unusable.
         """
-        if "path" not in tier.options:
+        options = tier.options
+        if "path" not in options:
             raise ValueError("posix backend: the 'path' option is required")
-        fsync = tier.options.get("fsync") is True
-        return cls(Path(str(tier.options["path"])), tier.capacity, fsync=fsync)
+        refresh = options.get("index_refresh_seconds", DEFAULT_INDEX_REFRESH_SECONDS)
+        assert isinstance(refresh, float)
+        return cls(
+            Path(str(options["path"])),
+            tier.capacity,
+            fsync=options.get("fsync") is True,
+            index_refresh_seconds=refresh,
+        )
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Report which keys have a block file (a hit counts as a use), whoever wrote it.
@@ -151,6 +183,17 @@ class PosixBackend(Backend):
             with contextlib.suppress(OSError):
                 os.unlink(self._path(key))
             self._forget(key)
+
+    def key_index(self) -> KeyIndex | None:
+        """Open an in-memory view of every block file in the directory, whoever wrote it.
+
+        Returns:
+            A :class:`DirectoryIndex` refreshed every ``index_refresh_seconds``, or None
+            when that setting is 0.
+        """
+        if not self._index_refresh_seconds:
+            return None
+        return DirectoryIndex(self._dir, _block_file_key, self._index_refresh_seconds)
 
     def usage(self) -> Usage:
         """Return the payload bytes and blocks this process knows to be in the directory."""
@@ -274,6 +317,17 @@ class PosixBackend(Backend):
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
+
+
+def _block_file_key(subdir: str, name: str) -> BlockKey | None:
+    """Return the key of the block file ``subdir/name``, or None for any other file."""
+    if not name.endswith(".blk") or not name.startswith(subdir):
+        return None
+    try:
+        key = bytes.fromhex(name[:-4])
+    except ValueError:
+        return None
+    return BlockKey(key) if len(key) <= MAX_KEY_BYTES and len(subdir) == 3 else None
 
 
 def _tmp_name(key: BlockKey, pid: int) -> str:

@@ -22,6 +22,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -134,6 +135,22 @@ class BackendConformance:
             if self.exact_usage:
                 assert backend.usage().used_bytes == 200
                 assert backend.usage().num_blocks == 1
+
+    def test_key_index_agrees_with_lookup_after_refresh(self, tmp_path: Path) -> None:
+        keys = [make_key(i) for i in range(6)]
+        with closing(self.make_backend(1 << 20, tmp_path)) as backend:
+            index = backend.key_index()
+            if index is None:
+                pytest.skip("this backend offers no in-memory key index")
+            try:
+                backend.dump(keys[:4], views([make_payload(i, 50) for i in range(4)])).wait()
+                backend.delete([keys[1]])
+                index.refresh()
+                assert index.contains_many(keys) == backend.lookup(keys)
+                assert index.contains_many(keys) == [True, False, True, True, False, False]
+            finally:
+                index.close()
+            assert index.contains_many(keys) == [False] * len(keys)
 
     def test_redump_keeps_the_block(self, tmp_path: Path) -> None:
         key, payload = make_key(0), make_payload(0, 300)

@@ -41,6 +41,9 @@ class Phase:
     """Empty vLLM's own prefix cache before each prompt, so every cache hit is ucm's."""
     wait_for: str | None = None
     """A file to wait for before starting (another process's signal)."""
+    settle_seconds: float = 0.0
+    """Seconds to wait once ``wait_for`` exists (for another process's blocks to show
+    in this engine's view of a shared store)."""
     signal: str | None = None
     """A file to create once the phase is done."""
     batch: bool = False
@@ -162,6 +165,7 @@ def _serve(workdir: Path) -> None:
         if phase.wait_for:
             while not Path(phase.wait_for).exists():
                 time.sleep(0.05)
+            time.sleep(phase.settle_seconds)
         params = SamplingParams(temperature=0, max_tokens=phase.max_tokens, ignore_eos=True)
         result = PhaseResult(outputs=[], cached_tokens=[], ttft_s=[])
         prompts = phase.prompts

@@ -47,6 +47,10 @@ class PendingReads:
         self._batches = batches
         self._results: list[bool] | None = None
 
+    def done(self) -> bool:
+        """Return whether every first attempt has finished (:meth:`wait` may still retry)."""
+        return all(future.done() for _, future in self._batches)
+
     def wait(self) -> list[bool]:
         """Block until every read finished; retry failed blocks in the other tiers.
 

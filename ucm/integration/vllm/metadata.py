@@ -49,7 +49,10 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     """Blocks to load before the forward pass."""
     saves: list[BlockSave] = field(default_factory=list)
     """Blocks to save once the forward pass has written them."""
+    async_loads: dict[str, list[BlockLoad]] = field(default_factory=dict)
+    """Per request waiting for its KV, blocks to load in the background; the worker
+    reports the request through ``get_finished`` once they are in place."""
 
     def is_empty(self) -> bool:
         """Return whether the step has nothing for the worker to do."""
-        return not (self.evictions or self.loads or self.saves)
+        return not (self.evictions or self.loads or self.saves or self.async_loads)

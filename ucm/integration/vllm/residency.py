@@ -3,17 +3,23 @@
 The worker half owns the data; the scheduler half decides what goes where. For a
 tier that only this engine writes (``dram``), the scheduler keeps an exact mirror of
 its contents and decides its evictions, which the worker then carries out. For a
-tier shared with other processes (``posix``), the scheduler asks the store itself.
+tier shared with other processes (``posix``), the scheduler asks the store's in-memory
+view of its keys where it has one, else the store itself.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey
+
+UNCONFIRMED_SECONDS = 10.0
+"""How long a block this engine saved to a shared tier is checked in the store itself
+while the tier's in-memory view does not show it yet."""
 
 _MISS = 1 << 30
 """Tier index of a block no tier holds: larger than any real index, so that a real tier
@@ -33,12 +39,15 @@ def stored_prefix(keys: Sequence[BlockKey], tiers: Sequence[TierView]) -> list[i
     Returns:
         For each leading stored block, the index of the fastest tier holding it.
     """
+    slow = [index for index, tier in enumerate(tiers) if not tier.in_memory]
+    if len(tiers) == 1 and not slow:  # The common case, without per-key Python work.
+        hits = tiers[0].contains_many(keys)
+        return [0] * (hits.index(False) if False in hits else len(hits))
     best = [_MISS] * len(keys)
     for index in reversed(range(len(tiers))):
         if tiers[index].in_memory:
             hits = tiers[index].contains_many(keys)
             best = [index if hit else other for hit, other in zip(hits, best, strict=True)]
-    slow = [index for index, tier in enumerate(tiers) if not tier.in_memory]
     if not slow:
         return best[: best.index(_MISS)] if _MISS in best else best
     found: list[int] = []
@@ -58,6 +67,8 @@ class TierView(abc.ABC):
 
     in_memory: bool = False
     """Whether ``contains`` answers from memory (no I/O), so batches of keys are cheap."""
+    io_bound: bool = True
+    """Whether reading a block from the tier costs I/O (disk, network), not just a copy."""
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Return ``contains`` for each key."""
@@ -86,6 +97,12 @@ class TierView(abc.ABC):
         """Return and forget the keys the worker must delete from this tier."""
         return []
 
+    def discard(self, key: BlockKey) -> None:  # noqa: B027 - optional hook
+        """Forget a block whose load failed (the tier's copy is not to be trusted)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the view holds (threads, memory)."""
+
 
 class MirroredTier(TierView):
     """An exact LRU mirror of a tier that only this engine's workers write.
@@ -95,6 +112,7 @@ class MirroredTier(TierView):
     """
 
     in_memory = True
+    io_bound = False
 
     def __init__(self, capacity_blocks: int) -> None:
         self._capacity = capacity_blocks
@@ -107,8 +125,7 @@ class MirroredTier(TierView):
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Return whether each block is in the tier."""
-        stored = self._last_used
-        return [key in stored for key in keys]
+        return list(map(self._last_used.__contains__, keys))
 
     def touch(self, key: BlockKey, step: int) -> None:
         """Mark the block most recently used and pin it for ``step``."""
@@ -137,21 +154,72 @@ class MirroredTier(TierView):
         evicted, self._evicted = self._evicted, []
         return evicted
 
+    def discard(self, key: BlockKey) -> None:
+        """Evict a block whose load failed, so that it can be saved again."""
+        if self._last_used.pop(key, None) is not None:
+            self._evicted.append(key)
+
 
 class SharedTier(TierView):
-    """A tier that other processes write too: the scheduler asks the store."""
+    """A tier that other processes write too: the scheduler asks the store.
+
+    Where the backend offers an in-memory view of its keys (:meth:`Backend.key_index`),
+    lookups cost no I/O. The view lags behind the store by up to one refresh, so the
+    blocks this engine saved since are checked in the store itself until the view shows
+    them (or for :data:`UNCONFIRMED_SECONDS` at most).
+    """
 
     def __init__(self, backend: Backend, num_shards: int) -> None:
         self._backend = backend
         self._num_shards = num_shards
+        self._index = backend.key_index()
+        self.in_memory = self._index is not None
+        self._unconfirmed: OrderedDict[BlockKey, float] = OrderedDict()  # Key -> deadline.
 
     def contains(self, key: BlockKey) -> bool:
         """Return whether every rank's shard of the block is stored."""
-        shards: Sequence[BlockKey] = [
-            shard_key(key, shard, self._num_shards) for shard in range(self._num_shards)
-        ]
-        return all(self._backend.lookup(shards))
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return, per block, whether every rank's shard of it is stored."""
+        if self._index is None:
+            return [all(self._backend.lookup(self._shards(key))) for key in keys]
+        shards = [self._shards(key) for key in keys] if self._num_shards > 1 else None
+        if shards is None:
+            hits = self._index.contains_many(keys)
+        else:
+            flat = self._index.contains_many([shard for group in shards for shard in group])
+            hits = [
+                all(flat[i : i + self._num_shards]) for i in range(0, len(flat), self._num_shards)
+            ]
+        self._expire_unconfirmed()
+        if self._unconfirmed:
+            for i, hit in enumerate(hits):
+                if not hit and keys[i] in self._unconfirmed:
+                    hits[i] = all(self._backend.lookup(self._shards(keys[i])))
+        return hits
 
     def admit(self, key: BlockKey, step: int) -> bool:
         """Write every block: the store keeps itself within its capacity."""
+        if self._index is not None:
+            self._unconfirmed[key] = time.monotonic() + UNCONFIRMED_SECONDS
+            self._unconfirmed.move_to_end(key)
         return True
+
+    def discard(self, key: BlockKey) -> None:
+        """Stop checking a block this engine saved: its copy failed to load."""
+        self._unconfirmed.pop(key, None)
+
+    def close(self) -> None:
+        """Close the in-memory view, if any."""
+        if self._index is not None:
+            self._index.close()
+
+    def _shards(self, key: BlockKey) -> list[BlockKey]:
+        return [shard_key(key, shard, self._num_shards) for shard in range(self._num_shards)]
+
+    def _expire_unconfirmed(self) -> None:
+        now = time.monotonic()
+        pending = self._unconfirmed
+        while pending and next(iter(pending.values())) < now:
+            pending.popitem(last=False)

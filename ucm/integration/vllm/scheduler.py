@@ -9,6 +9,8 @@ blocks to evict from the tiers it manages.
 from __future__ import annotations
 
 import itertools
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,9 +29,14 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
+
+FAILED_BLOCK_SECONDS = 60.0
+"""How long a block whose load failed is not offered again (unless this engine saves
+it again first), so that a bad copy cannot make a request recompute in a loop."""
 
 
 @dataclass
@@ -45,6 +52,8 @@ class _RequestState:
     """Leading blocks that are stored or need no saving."""
     pending_load: range | None = None
     """Block indices to load in the next step."""
+    load_async: bool = False
+    """Whether the planned load runs in the background (vLLM waits for ``get_finished``)."""
 
 
 class UCMScheduler:
@@ -77,8 +86,10 @@ class UCMScheduler:
                 self._tiers.append(SharedTier(cls.from_tier(tier), num_shards(vllm_config)))
             else:
                 self._tiers.append(MirroredTier(tier.capacity // block_bytes))
+        self._async_load = config.async_load
         self._requests: dict[str, _RequestState] = {}
         self._steps = itertools.count(1)
+        self._failed: OrderedDict[BlockKey, float] = OrderedDict()  # Key -> offer again after.
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -92,13 +103,39 @@ class UCMScheduler:
         if state is None or not self._load_enabled:
             return 0, False
         max_blocks = (request.num_tokens - 1) // self._block_size
-        keys = state.chain.extend(request.all_token_ids, max_blocks)
-        hit_tiers = stored_prefix(keys[:max_blocks], self._tiers)
+        keys = state.chain.extend(request.all_token_ids, max_blocks)[:max_blocks]
+        hit_tiers = stored_prefix(keys[: self._offered_prefix(keys)], self._tiers)
         state.hit_tiers = hit_tiers
         state.lookup_computed_tokens = num_computed_tokens
         state.num_saved_blocks = max(state.num_saved_blocks, len(hit_tiers))
-        hit_tokens = len(hit_tiers) * self._block_size
-        return max(hit_tokens - num_computed_tokens, 0), False
+        new_tokens = max(len(hit_tiers) * self._block_size - num_computed_tokens, 0)
+        first = num_computed_tokens // self._block_size
+        state.load_async = (
+            self._async_load
+            and new_tokens > 0
+            and any(self._tiers[tier].io_bound for tier in hit_tiers[first:])
+        )
+        return new_tokens, state.load_async
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Stop offering blocks whose load failed, and save them again once recomputed.
+
+        Args:
+            output: What the workers reported this step; only its failed blocks matter.
+        """
+        invalid = output.invalid_block_ids
+        if not invalid:
+            return
+        until = time.monotonic() + FAILED_BLOCK_SECONDS
+        for state in self._requests.values():
+            for index, block_id in enumerate(state.block_ids[: len(state.chain.keys)]):
+                if block_id in invalid:
+                    key = state.chain.keys[index]
+                    self._failed[key] = until
+                    self._failed.move_to_end(key)
+                    for view in self._tiers:
+                        view.discard(key)
+                    state.num_saved_blocks = min(state.num_saved_blocks, index)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -129,7 +166,11 @@ class UCMScheduler:
                 self._tiers[state.hit_tiers[index]].touch(state.chain.keys[index], step)
         used: list[list[BlockKey]] = []  # Chains that loaded or saved blocks this step.
         for state, indices in loading:
-            meta.loads.extend(self._plan_load(state, indices, step))
+            loads = self._plan_load(state, indices, step)
+            if state.load_async:
+                meta.async_loads[state.request.request_id] = loads
+            else:
+                meta.loads.extend(loads)
             used.append(state.chain.keys[: indices.stop])
             state.pending_load = None
         if self._save_enabled:
@@ -150,6 +191,11 @@ class UCMScheduler:
         """Forget a finished request (its saves completed within its steps)."""
         self._requests.pop(request.request_id, None)
 
+    def close(self) -> None:
+        """Stop the tier views' background work."""
+        for view in self._tiers:
+            view.close()
+
     def tracked_requests(self) -> frozenset[str]:
         """Return the ids of requests this half holds state for."""
         return frozenset(self._requests)
@@ -167,6 +213,16 @@ class UCMScheduler:
             chain = KeyChain(request_root(self._root, extra), self._block_size)
             state = self._requests[request.request_id] = _RequestState(request, chain)
         return state
+
+    def _offered_prefix(self, keys: list[BlockKey]) -> int:
+        """Return how many leading keys may be offered (none whose load failed lately)."""
+        failed = self._failed
+        now = time.monotonic()
+        while failed and next(iter(failed.values())) < now:
+            failed.popitem(last=False)
+        if not failed:
+            return len(keys)
+        return next((index for index, key in enumerate(keys) if key in failed), len(keys))
 
     def _plan_load(self, state: _RequestState, indices: range, step: int) -> list[BlockLoad]:
         loads = []
@@ -212,6 +268,7 @@ class UCMScheduler:
                 if key in planned:
                     continue  # Requests sharing a prefix computed the same block this step.
                 planned.add(key)
+                self._failed.pop(key, None)  # Recomputed: it may be offered again once saved.
                 tiers = tuple(t for t, view in enumerate(self._tiers) if view.admit(key, step))
                 if tiers:
                     saves.append(BlockSave(state.block_ids[index], key, tiers))

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
@@ -128,8 +129,11 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker_half().clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Report no asynchronous transfers: every transfer ends within its step."""
-        return None, None
+        """Report the requests whose background loads are now in place.
+
+        Saves never hold a request's blocks past its step, so none is reported as sent.
+        """
+        return None, self._worker_half().take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Return the blocks whose load failed since the last call."""
@@ -140,9 +144,11 @@ class UCMConnector(KVConnectorBase_V1):
         self._worker_half().flush()
 
     def shutdown(self) -> None:
-        """Close the tiers."""
+        """Close the tiers (worker side) and the tier views (scheduler side)."""
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ---- scheduler side ----------------------------------------------------------
 
@@ -161,6 +167,10 @@ class UCMConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Build this step's instructions for the worker half."""
         return self._scheduler_half().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Learn which loads failed, so that their blocks are not offered again."""
+        self._scheduler_half().update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

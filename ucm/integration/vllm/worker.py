@@ -11,7 +11,10 @@ or eviction. Per step:
   layer; until then, and under wrappers that never call it, loads finish before the
   forward pass starts;
 - copy saved blocks out as the forward pass writes them, and write them to their
-  tiers: in-memory tiers at once, persistent ones in the background.
+  tiers: in-memory tiers at once, persistent ones in the background;
+- read the blocks of requests that wait for their KV (``async_load``) in the
+  background, and report each request through ``get_finished`` once its blocks are
+  in place.
 """
 
 from __future__ import annotations
@@ -50,17 +53,25 @@ def _shard_index() -> int:
 
 
 @dataclass
-class _StepLoad:
-    """A step's loads in flight."""
+class _Reads:
+    """Loads whose reads run on the reader threads."""
 
     loads: list[BlockLoad]
     """The scheduler's instructions."""
     payloads: Sequence[Segments]
     """Where each block is read to: its KV pages, or a staging row."""
-    reads: PendingReads
-    """The reads running on the reader threads."""
+    pending: PendingReads
+    """The reads in flight."""
     rows: torch.Tensor | None
-    """Staging rows to scatter into the pages layer by layer (None: read in place)."""
+    """Staging rows to scatter into the pages (None: read in place)."""
+
+
+@dataclass
+class _StepLoad:
+    """A step's loads in flight, which its forward pass needs."""
+
+    reads: _Reads
+    """The loads and their reads."""
     layerwise: bool
     """Whether the forward pass started before the loads finished."""
     pending_layers: set[str]
@@ -109,6 +120,9 @@ class UCMWorker:
         self._stage_saves = False
         self._gathered: set[str] = set()
         self._load_errors: set[int] = set()
+        self._background: dict[str, _Reads] = {}  # Requests waiting for their loads.
+        self._finished_loads: set[str] = set()  # Requests to report through get_finished.
+        self._background_seen = False  # Whether a background load was started (logged once).
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the KV tensors vLLM allocated and open the tiers."""
@@ -160,25 +174,20 @@ class UCMWorker:
         """
         self._finish_load()
         self._apply_evictions()
-        loads = self._meta.loads
-        if not loads or self._paged is None or self._staging is None:
+        if self._paged is None:
             return
-        self._writer.wait_for([self._shard_key(load.key) for load in loads])
-        rows = None
-        if self._in_place:
-            payloads = self._paged.block_pages([load.block_id for load in loads])
-        else:
-            rows = self._staging.acquire(len(loads))
-            payloads = row_payloads(rows[: len(loads)])
-        reads = [
-            BlockRead(self._shard_key(load.key), load.tier, payload)
-            for load, payload in zip(loads, payloads, strict=True)
-        ]
+        background = self._meta.async_loads
+        if background and not self._background_seen:
+            self._background_seen = True
+            logger.info("ucm: loading blocks in the background; vLLM schedules other requests")
+        while background:
+            request_id, loads = next(iter(background.items()))
+            self._background[request_id] = self._start_reads(loads)
+            del background[request_id]
+        if not self._meta.loads:
+            return
         self._step_load = _StepLoad(
-            loads=loads,
-            payloads=payloads,
-            reads=self._reader.start(self._tiers, reads),
-            rows=rows,
+            reads=self._start_reads(self._meta.loads),
             layerwise=self._layerwise,
             pending_layers={layer.name for layer in self._paged.layers},
         )
@@ -252,6 +261,34 @@ class UCMWorker:
     def fail_pending_loads(self) -> None:
         """Report every load of this step as failed (after an unexpected error)."""
         self._load_errors.update(load.block_id for load in self._meta.loads)
+        for request_id, loads in self._meta.async_loads.items():  # Those not started.
+            self._load_errors.update(load.block_id for load in loads)
+            self._finished_loads.add(request_id)
+        self._meta.async_loads = {}
+
+    def take_finished_loads(self) -> set[str]:
+        """Complete the background loads whose reads finished; return their requests.
+
+        A load that failed is reported through :meth:`take_load_errors`, which vLLM
+        asks right after this; its request is reported as finished all the same.
+        """
+        for request_id, reads in list(self._background.items()):
+            if not reads.pending.done():
+                continue
+            del self._background[request_id]
+            self._finished_loads.add(request_id)
+            try:
+                ok = reads.pending.wait()
+                if reads.rows is not None:
+                    self._scatter_loaded(reads, ok)
+                self._settle(reads, ok)
+            except Exception:  # noqa: BLE001 - fault barrier: a bad load must mean recompute
+                logger.exception("ucm: finishing the loads of %s failed", request_id)
+                self._load_errors.update(load.block_id for load in reads.loads)
+            finally:
+                self._release(reads)
+        finished, self._finished_loads = self._finished_loads, set()
+        return finished
 
     def take_load_errors(self) -> set[int]:
         """Return and forget the block ids whose load failed."""
@@ -265,6 +302,9 @@ class UCMWorker:
     def close(self) -> None:
         """Finish transfers, then close every tier."""
         self._finish_load()
+        for reads in self._background.values():
+            reads.pending.wait()
+        self._background.clear()
         self._reader.close()
         self._writer.close()
         for tier in self._tiers:
@@ -277,15 +317,9 @@ class UCMWorker:
             return
         assert self._paged is not None
         if step.ok is None:
-            step.ok = step.reads.wait()
-            loaded = [i for i, done in enumerate(step.ok) if done]
-            ids = [step.loads[i].block_id for i in loaded]
-            step.loaded_ids = torch.tensor(ids, device=self._paged.device)
-            if step.rows is not None:  # Selected once, not per layer.
-                count = len(step.loads)
-                all_loaded = len(loaded) == count
-                step.loaded_rows = step.rows[:count] if all_loaded else step.rows[loaded]
-        if step.rows is None:  # Read in place: every layer is ready.
+            step.ok = step.reads.pending.wait()
+            step.loaded_ids, step.loaded_rows = self._loaded(step.reads, step.ok)
+        if step.reads.rows is None:  # Read in place: every layer is ready.
             step.pending_layers.clear()
             return
         layer = self._paged.layer(layer_name)
@@ -307,11 +341,10 @@ class UCMWorker:
         try:
             self._complete_load(step)
         except Exception:
-            self._load_errors.update(load.block_id for load in step.loads)  # Recompute them.
+            self._load_errors.update(load.block_id for load in step.reads.loads)  # Recompute.
             raise
         finally:
-            if step.rows is not None and self._staging is not None:
-                self._staging.release(step.rows)
+            self._release(step.reads)
 
     def _complete_load(self, step: _StepLoad) -> None:
         """Put any pages not yet in place, report failed loads, promote loaded blocks."""
@@ -326,22 +359,64 @@ class UCMWorker:
                 len(missed),
             )
             self._layerwise = False
-            step.ok = [False] * len(step.loads)
+            step.ok = [False] * len(step.reads.loads)
         elif not step.layerwise and self._paged is not None:
             self._layerwise = all(layer.name in self._waited for layer in self._paged.layers)
             if self._layerwise:
                 logger.info("ucm: vLLM waits for every layer; loads now overlap the forward pass")
+        self._settle(step.reads, step.ok)
+
+    def _start_reads(self, loads: list[BlockLoad]) -> _Reads:
+        """Start reading blocks into their pages (or staging rows) on the reader threads."""
+        assert self._paged is not None and self._staging is not None
+        self._writer.wait_for([self._shard_key(load.key) for load in loads])
+        rows = None
+        if self._in_place:
+            payloads = self._paged.block_pages([load.block_id for load in loads])
+        else:
+            rows = self._staging.acquire(len(loads))
+            payloads = row_payloads(rows[: len(loads)])
+        reads = [
+            BlockRead(self._shard_key(load.key), load.tier, payload)
+            for load, payload in zip(loads, payloads, strict=True)
+        ]
+        return _Reads(loads, payloads, self._reader.start(self._tiers, reads), rows)
+
+    def _loaded(self, reads: _Reads, ok: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the block ids of the loads that succeeded, and their staging rows."""
+        assert self._paged is not None
+        loaded = [i for i, done in enumerate(ok) if done]
+        ids = torch.tensor([reads.loads[i].block_id for i in loaded], device=self._paged.device)
+        if reads.rows is None:
+            return ids, None
+        count = len(reads.loads)
+        return ids, reads.rows[:count] if len(loaded) == count else reads.rows[loaded]
+
+    def _scatter_loaded(self, reads: _Reads, ok: list[bool]) -> None:
+        """Put every layer of the staged loads that succeeded into the pages."""
+        assert self._paged is not None
+        ids, rows = self._loaded(reads, ok)
+        if len(ids) and rows is not None:
+            for layer in self._paged.layers:
+                self._paged.scatter(layer, ids, rows)
+
+    def _settle(self, reads: _Reads, ok: list[bool]) -> None:
+        """Report the loads that failed; copy the others into the tiers they go up to."""
         self._load_errors.update(
-            load.block_id for load, done in zip(step.loads, step.ok, strict=True) if not done
+            load.block_id for load, done in zip(reads.loads, ok, strict=True) if not done
         )
         promotions: dict[int, list[int]] = defaultdict(list)
-        for index, load in enumerate(step.loads):
-            if step.ok[index]:
+        for index, load in enumerate(reads.loads):
+            if ok[index]:
                 for tier in load.promote_to:
                     promotions[tier].append(index)
         for tier, indices in promotions.items():
-            keys = [step.loads[i].key for i in indices]
-            self._write(tier, keys, [step.payloads[i] for i in indices])
+            keys = [reads.loads[i].key for i in indices]
+            self._write(tier, keys, [reads.payloads[i] for i in indices])
+
+    def _release(self, reads: _Reads) -> None:
+        if reads.rows is not None and self._staging is not None:
+            self._staging.release(reads.rows)
 
     def _write_behind(
         self,
