@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -36,29 +37,23 @@ def held(index: KeyIndex) -> list[int]:
 def test_follows_blocks_written_and_removed_by_other_processes(tmp_path: Path) -> None:
     mine, theirs = PosixBackend(tmp_path, 1 << 20), PosixBackend(tmp_path, 1 << 20)
     store(theirs, 0, 1)
-    index = open_index(mine)
-    try:
+    with closing(open_index(mine)) as index:
         assert held(index) == [0, 1]  # Blocks present when the view opens.
         store(theirs, 2, 3, 4)
         theirs.delete([KEYS[0]])
         assert held(index) == [0, 1]  # No I/O until a refresh...
         index.refresh()
         assert held(index) == [1, 2, 3, 4]  # ...which sees both kinds of change.
-    finally:
-        index.close()
 
 
 def test_refreshes_on_its_own(tmp_path: Path) -> None:
     backend = PosixBackend(tmp_path, 1 << 20, index_refresh_seconds=0.05)
-    index = open_index(backend)
-    try:
+    with closing(open_index(backend)) as index:
         store(PosixBackend(tmp_path, 1 << 20), 5)
         deadline = time.monotonic() + 10
         while held(index) != [5] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert held(index) == [5]
-    finally:
-        index.close()
 
 
 def age_subdirectories(root: Path, seconds: float) -> None:
@@ -85,8 +80,7 @@ def test_lists_only_subdirectories_that_changed(
     backend = PosixBackend(tmp_path, 1 << 20)
     store(backend, 0, 1, 2, 3)
     age_subdirectories(tmp_path, 60)
-    index = open_index(backend)
-    try:
+    with closing(open_index(backend)) as index:
         listed = count_listings(monkeypatch)
         index.refresh()
         assert listed == []  # Nothing changed, nothing listed.
@@ -94,24 +88,19 @@ def test_lists_only_subdirectories_that_changed(
         index.refresh()
         assert listed == [str(tmp_path / "v1" / KEYS[4].hex()[:3])]
         assert held(index) == [0, 1, 2, 3, 4]
-    finally:
-        index.close()
 
 
 def test_change_in_the_same_timestamp_tick_is_seen(tmp_path: Path) -> None:
     backend = PosixBackend(tmp_path, 1 << 20)
     store(backend, 0)
     subdir = tmp_path / "v1" / KEYS[0].hex()[:3]
-    index = open_index(backend)
-    try:
+    with closing(open_index(backend)) as index:
         stamp = subdir.stat().st_mtime_ns
         twin = BlockKey(bytes.fromhex(KEYS[0].hex()[:3] + "0" * 61))  # Same subdirectory.
         os.link(subdir / f"{KEYS[0].hex()}.blk", subdir / f"{twin.hex()}.blk")
         os.utime(subdir, ns=(stamp, stamp))  # The directory's time did not change.
         index.refresh()
         assert index.contains_many([twin]) == [True]
-    finally:
-        index.close()
 
 
 def test_ignores_other_files_and_survives_the_directory_vanishing(tmp_path: Path) -> None:
@@ -122,8 +111,7 @@ def test_ignores_other_files_and_survives_the_directory_vanishing(tmp_path: Path
     (subdir / f"{stray.hex()}.blk").write_bytes(b"x")
     (subdir / f"{KEYS[1].hex()}.{'0' * 8}.1.abcd.tmp").write_bytes(b"x")
     (subdir / "notes.txt").write_text("x")
-    index = open_index(backend)
-    try:
+    with closing(open_index(backend)) as index:
         assert held(index) == [0]
         assert index.contains_many([stray]) == [False]
         for path in subdir.iterdir():
@@ -132,8 +120,6 @@ def test_ignores_other_files_and_survives_the_directory_vanishing(tmp_path: Path
         (tmp_path / "v1").rmdir()
         index.refresh()
         assert held(index) == []
-    finally:
-        index.close()
 
 
 def test_refresh_setting(tmp_path: Path) -> None:
@@ -157,8 +143,7 @@ class CountingPosix(PosixBackend):
 def test_shared_tier_looks_up_without_io(tmp_path: Path) -> None:
     store(PosixBackend(tmp_path, 1 << 20), 0, 1, 2)
     backend = CountingPosix(tmp_path, 1 << 20, index_refresh_seconds=3600)
-    tier = SharedTier(backend, num_shards=1)
-    try:
+    with closing(SharedTier(backend, num_shards=1)) as tier:
         assert tier.in_memory
         assert tier.contains_many(KEYS[:4]) == [True, True, True, False]
         assert backend.asked == 0
@@ -168,8 +153,6 @@ def test_shared_tier_looks_up_without_io(tmp_path: Path) -> None:
         store(backend, 3)
         assert tier.contains_many(KEYS[3:5]) == [True, False]
         assert backend.asked == 2
-    finally:
-        tier.close()
 
 
 def test_shared_tier_without_index_asks_the_store(tmp_path: Path) -> None:
@@ -187,8 +170,5 @@ def test_shared_tier_needs_every_rank_shard(tmp_path: Path) -> None:
     for key, ranks in ((KEYS[0], (0, 1)), (KEYS[1], (0,))):
         for rank in ranks:
             writer.dump([shard_key(key, rank, 2)], payload).wait()
-    tier = SharedTier(PosixBackend(tmp_path, 1 << 20), num_shards=2)
-    try:
+    with closing(SharedTier(PosixBackend(tmp_path, 1 << 20), num_shards=2)) as tier:
         assert tier.contains_many(KEYS[:3]) == [True, False, False]
-    finally:
-        tier.close()

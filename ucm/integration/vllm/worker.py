@@ -180,7 +180,7 @@ class UCMWorker:
         if background and not self._background_seen:
             self._background_seen = True
             logger.info("ucm: loading blocks in the background; vLLM schedules other requests")
-        while background:
+        while background:  # One at a time: if a start fails, the rest stay to be failed.
             request_id, loads = next(iter(background.items()))
             self._background[request_id] = self._start_reads(loads)
             del background[request_id]
