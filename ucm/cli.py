@@ -1,4 +1,5 @@
-"""The ``ucm`` command line: ``ucm demo`` runs vLLM twice and shows what ucm saves."""
+"""The ``ucm`` command line: ``ucm demo`` runs vLLM twice and shows what ucm saves;
+``ucm bench`` measures; ``ucm fsck`` and ``ucm du`` check and size a ``posix`` store."""
 
 from __future__ import annotations
 
@@ -50,7 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--results", type=Path, default=Path("bench-results"), help="output")
     bench.add_argument("--block-kib", type=int, default=1024, help="stored block size")
     bench.add_argument("--blocks", type=int, default=256, help="blocks per batch")
+    check = commands.add_parser("fsck", help="verify every block of a posix store")
+    check.add_argument("path", type=Path, help="the posix tier's path")
+    check.add_argument("--repair", action="store_true", help="remove damaged and stale files")
+    check.add_argument("--secret-file", help="file holding the store's signing secret")
+    check.add_argument("--secret-env", help="environment variable holding the secret")
+    usage = commands.add_parser("du", help="show the size of posix stores")
+    usage.add_argument("paths", type=Path, nargs="+", help="posix tiers' paths")
     args = parser.parse_args(argv)
+    if args.command == "fsck":
+        return run_fsck(args.path, args.repair, args.secret_file, args.secret_env)
+    if args.command == "du":
+        return run_du(args.paths)
     if args.command == "bench" and args.suite == "datapath":
         store = args.scratch / "store"
         return run_datapath_bench(store, args.results, args.block_kib << 10, args.blocks)
@@ -90,6 +102,62 @@ def run_datapath_bench(store_dir: Path, results: Path, block_bytes: int, blocks:
     measured = datapath.run(store_dir, block_bytes, blocks)
     _write_report(results, "datapath", measured, datapath.markdown(measured))
     return 0
+
+
+def run_fsck(path: Path, repair: bool, secret_file: str | None, secret_env: str | None) -> int:
+    """Verify a posix store and print what was found.
+
+    Returns:
+        0 when the store is clean, 1 when problems were repaired, 2 when problems remain.
+    """
+    from ucm.store.posix import read_secret
+    from ucm.store.posix_fsck import fsck
+
+    options = {"secret_file": secret_file, "secret_env": secret_env}
+    try:
+        report = fsck(
+            path, secret=read_secret({k: v for k, v in options.items() if v}), repair=repair
+        )
+    except ValueError as exc:
+        print(f"ucm fsck: {exc}")
+        return 2
+    print(f"{report.blocks} blocks verified, {report.payload_bytes / 2**20:.1f} MiB of KV")
+    for label, paths in [
+        ("damaged block", report.damaged),
+        ("stale temporary file", report.stale_tmp),
+        ("stray file (left alone)", report.stray),
+        ("other format version (never read; remove by hand)", report.other_versions),
+    ]:
+        for found in paths:
+            print(f"{label}: {found}")
+    if report.clean:
+        return 0
+    if repair:
+        print(f"repaired: removed {report.removed} files")
+        return 1
+    print("problems found; run again with --repair to remove them")
+    return 2
+
+
+def run_du(paths: list[Path]) -> int:
+    """Print the blocks and bytes of each posix store.
+
+    Returns:
+        0, or 2 when a path is not a directory.
+    """
+    from ucm.store.posix_fsck import disk_usage
+
+    status = 0
+    for path in paths:
+        try:
+            usage = disk_usage(path)
+        except ValueError as exc:
+            print(f"ucm du: {exc}")
+            status = 2
+            continue
+        mib = usage.file_bytes / 2**20
+        print(f"{path}: {usage.blocks} blocks, {mib:.1f} MiB, {usage.tmp_files} temporary files")
+    return status
 
 
 def _write_report(results: Path, name: str, measured: dict[str, object], report: str) -> None:

@@ -7,6 +7,7 @@ after ``reset_prefix_cache()``, so every cached token they report came from ucm.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,14 @@ from typing import Any
 import pytest
 
 from tests.integration.workload import Workload, documents_workload
+from ucm.store.base import BlockKey
+from ucm.store.blockfile import TRAILER_BYTES, Sealer
+from ucm.store.posix_fsck import fsck
 from ucm.testing.engine import EngineSpec, Phase, finish_engine, run_engine, start_engine
 
 pytestmark = pytest.mark.engine
 
 WORKLOAD = documents_workload()
-HEADER_BYTES = 48
 
 
 @pytest.fixture(scope="session")
@@ -191,11 +194,10 @@ def test_negative_control_corrupted_kv_changes_outputs(
     rng = random.Random(0)
     blocks = sorted(store.rglob("*.blk"))
     assert blocks
-    for path in blocks:
-        with path.open("r+b") as handle:
-            size = path.stat().st_size - HEADER_BYTES
-            handle.seek(HEADER_BYTES)
-            handle.write(rng.randbytes(size))
+    for path in blocks:  # Random payloads under valid checksums: only the outputs can tell.
+        payload = rng.randbytes(path.stat().st_size - TRAILER_BYTES)
+        trailer = Sealer().seal(BlockKey(bytes.fromhex(path.stem)), [memoryview(payload)])
+        path.write_bytes(payload + trailer.pack())
     transfer = ucm("posix", store, async_load=async_load)
     reader = EngineSpec(tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, transfer)
     warm = run_engine(reader, tmp_path / "reader")[0]
@@ -234,22 +236,86 @@ def test_workload_expectations_are_not_trivial() -> None:
     assert workload.expected_loaded(128) == [256, 256, 256, 256]
 
 
-@pytest.mark.parametrize("async_load", [False, True])
+def tear(path: Path) -> None:
+    with path.open("r+b") as handle:
+        handle.truncate(path.stat().st_size // 2)
+
+
+def flip_payload_bit(path: Path) -> None:
+    with path.open("r+b") as handle:
+        handle.seek(path.stat().st_size // 3)
+        byte = handle.read(1)[0]
+        handle.seek(-1, 1)
+        handle.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize(
+    ("async_load", "damage"), [(False, tear), (True, tear), (False, flip_payload_bit)]
+)
 def test_damaged_blocks_are_recomputed_exactly(
-    async_load: bool, tiny_model: str, reference: Any, tmp_path: Path
+    async_load: bool,
+    damage: Callable[[Path], None],
+    tiny_model: str,
+    reference: Any,
+    tmp_path: Path,
 ) -> None:
     store = save_cold_prompts(tiny_model, tmp_path)
     blocks = sorted(store.rglob("*.blk"))
-    for path in blocks[::2]:  # Still listed, so lookups hit; reads find them torn.
-        with path.open("r+b") as handle:
-            handle.truncate(path.stat().st_size // 2)
+    for path in blocks[::2]:  # Still listed, so lookups hit; reads find them damaged.
+        damage(path)
     transfer = ucm("posix", store, async_load=async_load, kv_load_failure_policy="recompute")
     reader = EngineSpec(tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, transfer)
     warm = run_engine(reader, tmp_path / "reader")[0]
     assert warm.outputs == reference(32)
     log = (tmp_path / "reader" / "engine.log").read_text()
     assert "Recovered from KV load failure" in log  # The torn blocks really failed.
-    # Each torn file was removed and, once recomputed, its block saved again whole.
+    # Each damaged file was removed and, once recomputed, its block saved again whole.
     sizes = {path.stat().st_size for path in store.rglob("*.blk")}
     assert sizes == {blocks[1].stat().st_size}, "a torn block is still stored"
+    assert fsck(store).clean
     assert {path.name for path in blocks} <= {path.name for path in store.rglob("*.blk")}
+
+
+def test_damaged_blocks_fail_requests_cleanly_by_default(
+    tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    """vLLM's default policy fails the request; the engine serves on, exactly."""
+    store = save_cold_prompts(tiny_model, tmp_path)
+    for path in sorted(store.rglob("*.blk")):
+        flip_payload_bit(path)
+    # Without vLLM's prefix cache, the retry cannot reuse blocks of the failed attempt.
+    phases = [Phase(WORKLOAD.warm, reset_before_each=True)] * 2
+    spec = EngineSpec(tiny_model, phases, 32, ucm("posix", store), enable_prefix_caching=False)
+    first, again = run_engine(spec, tmp_path / "reader")
+    # The first request of each document fails; the blocks that failed are not offered
+    # again, so later ones recompute them (and save them again): all of those succeed.
+    failed = [reason == "error" for reason in first.finish_reasons]
+    assert failed == [True, True, False, False], first.finish_reasons
+    for index in (2, 3):
+        assert first.outputs[index] == reference(32)[index]
+    assert again.finish_reasons == ["length"] * len(WORKLOAD.warm)
+    assert again.outputs == reference(32)
+    assert all(again.cached_tokens), "the blocks saved again were not loaded"
+
+
+def test_engine_killed_while_saving_leaves_a_store_that_serves_exactly(
+    tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    cold = Phase(WORKLOAD.cold * 3, max_tokens=32, reset_before_each=True)
+    writer = start_engine(EngineSpec(tiny_model, [cold], 32, ucm("posix", store)), tmp_path / "w")
+    deadline = time.monotonic() + 300
+    while not list(store.rglob("*.blk")) and writer.poll() is None:
+        assert time.monotonic() < deadline, "the writer never saved a block"
+        time.sleep(0.05)
+    time.sleep(random.Random(0).uniform(0.0, 0.5))
+    writer.kill()  # SIGKILL, in the middle of saving.
+    assert writer.wait() != 0, "the writer finished before it was killed"
+    transfer = ucm("posix", store)
+    reader = EngineSpec(tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, transfer)
+    warm = run_engine(reader, tmp_path / "reader")[0]
+    assert warm.outputs == reference(32)
+    assert sum(warm.cached_tokens) > 0
+    assert not list(store.rglob("*.tmp"))
+    report = fsck(store)
+    assert report.clean and report.blocks > 0

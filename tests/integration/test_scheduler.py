@@ -374,6 +374,25 @@ def test_block_that_failed_to_load_is_not_offered_again(tiny_model: str, tmp_pat
     h.assert_no_leaks()
 
 
+def test_block_that_failed_a_request_is_not_offered_again(tiny_model: str, tmp_path: Path) -> None:
+    """With vLLM's default policy the request fails before vLLM reports its bad blocks."""
+    h = make_harness(tiny_model, posix_tiers(tmp_path / "store"), role="kv_consumer")
+    tokens = prompt(8 * BLOCK + 5, seed=43)
+    h.put(h.chain(tokens)[:6])
+    h.add("first", tokens, max_tokens=2)
+    step = h.schedule()
+    assert step.loaded("first") == list(range(6))
+    h.update(step, KVConnectorOutput(invalid_block_ids={step.tables["first"][2]}))
+    assert "first" not in h.scheduler.requests  # Failed, not recomputed.
+    assert h.scheduler.reset_prefix_cache()
+    h.add("second", tokens, max_tokens=2)
+    again = h.schedule()
+    assert again.loaded("second") == list(range(2))
+    h.update(again)
+    h.run()
+    h.assert_no_leaks()
+
+
 def test_in_memory_index_sees_blocks_stored_by_others(tiny_model: str, tmp_path: Path) -> None:
     store = tmp_path / "store"
     h = make_harness(tiny_model, posix_tiers(store, index_refresh_seconds=0.05))

@@ -57,7 +57,7 @@ def test_refreshes_on_its_own(tmp_path: Path) -> None:
 
 
 def age_subdirectories(root: Path, seconds: float) -> None:
-    for subdir in (root / "v1").iterdir():
+    for subdir in (root / "v2").iterdir():
         then = time.time_ns() - int(seconds * 1e9)
         os.utime(subdir, ns=(then, then))
 
@@ -86,14 +86,14 @@ def test_lists_only_subdirectories_that_changed(
         assert listed == []  # Nothing changed, nothing listed.
         store(backend, 4)
         index.refresh()
-        assert listed == [str(tmp_path / "v1" / KEYS[4].hex()[:3])]
+        assert listed == [str(tmp_path / "v2" / KEYS[4].hex()[:3])]
         assert held(index) == [0, 1, 2, 3, 4]
 
 
 def test_change_in_the_same_timestamp_tick_is_seen(tmp_path: Path) -> None:
     backend = PosixBackend(tmp_path, 1 << 20)
     store(backend, 0)
-    subdir = tmp_path / "v1" / KEYS[0].hex()[:3]
+    subdir = tmp_path / "v2" / KEYS[0].hex()[:3]
     with closing(open_index(backend)) as index:
         stamp = subdir.stat().st_mtime_ns
         twin = BlockKey(bytes.fromhex(KEYS[0].hex()[:3] + "0" * 61))  # Same subdirectory.
@@ -106,7 +106,7 @@ def test_change_in_the_same_timestamp_tick_is_seen(tmp_path: Path) -> None:
 def test_ignores_other_files_and_survives_the_directory_vanishing(tmp_path: Path) -> None:
     backend = PosixBackend(tmp_path, 1 << 20)
     store(backend, 0)
-    subdir = tmp_path / "v1" / KEYS[0].hex()[:3]
+    subdir = tmp_path / "v2" / KEYS[0].hex()[:3]
     stray = BlockKey(bytes.fromhex("fff" + "1" * 61))  # A block name in the wrong subdir.
     (subdir / f"{stray.hex()}.blk").write_bytes(b"x")
     (subdir / f"{KEYS[1].hex()}.{'0' * 8}.1.abcd.tmp").write_bytes(b"x")
@@ -117,7 +117,7 @@ def test_ignores_other_files_and_survives_the_directory_vanishing(tmp_path: Path
         for path in subdir.iterdir():
             path.unlink()
         subdir.rmdir()
-        (tmp_path / "v1").rmdir()
+        (tmp_path / "v2").rmdir()
         index.refresh()
         assert held(index) == []
 

@@ -1,4 +1,4 @@
-"""Tests of the ``posix`` backend: conformance, sharing between instances, damaged files."""
+"""Tests of the ``posix`` backend: conformance, sharing, damaged, torn and forged files."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from ucm.config import TierConfig
 from ucm.store.base import Backend
-from ucm.store.posix import HEADER_BYTES, PosixBackend, _tmp_name
+from ucm.store.blockfile import TRAILER_BYTES, Sealer, parse_trailer
+from ucm.store.posix import PosixBackend, _tmp_name
 from ucm.testing.conformance import (
     BackendConformance,
     make_buffer,
@@ -31,11 +32,14 @@ class TestPosixConformance(BackendConformance):
 
 def block_path(root: Path, index: int) -> Path:
     name = make_key(index).hex()
-    return root / "v1" / name[:3] / f"{name}.blk"
+    return root / "v2" / name[:3] / f"{name}.blk"
 
 
 def dump(backend: Backend, index: int, size: int = 100) -> None:
     assert backend.dump([make_key(index)], views([make_payload(index, size)])).wait() == [True]
+
+
+SECRET = b"0123456789abcdef-secret"
 
 
 def loads(backend: Backend, index: int, size: int = 100) -> bool:
@@ -48,7 +52,14 @@ def loads(backend: Backend, index: int, size: int = 100) -> bool:
 def test_capabilities_and_options() -> None:
     assert PosixBackend.capabilities.persistent
     assert PosixBackend.capabilities.shared
-    assert PosixBackend.option_types == {"path": str, "fsync": bool, "index_refresh_seconds": float}
+    assert PosixBackend.option_types == {
+        "path": str,
+        "fsync": bool,
+        "index_refresh_seconds": float,
+        "verify": bool,
+        "secret_file": str,
+        "secret_env": str,
+    }
 
 
 def test_from_tier(tmp_path: Path) -> None:
@@ -81,9 +92,9 @@ def test_files_are_private(tmp_path: Path) -> None:
     backend = PosixBackend(tmp_path / "store", 1000)
     dump(backend, 0)
     path = block_path(tmp_path / "store", 0)
-    for item in (path, path.parent, tmp_path / "store" / "v1"):
+    for item in (path, path.parent, tmp_path / "store" / "v2"):
         assert stat.S_IMODE(item.stat().st_mode) & 0o077 == 0
-    assert path.stat().st_size == HEADER_BYTES + 100
+    assert path.stat().st_size == 100 + TRAILER_BYTES
 
 
 def test_blocks_persist_across_instances(tmp_path: Path) -> None:
@@ -138,7 +149,9 @@ def corrupt_extend(path: Path) -> None:
         file.write(b"\0")
 
 
-def corrupt_header_byte(offset: int) -> Callable[[Path], None]:
+def corrupt_byte(offset: int) -> Callable[[Path], None]:
+    """Flip the bits of one byte; a negative offset counts from the end of the file."""
+
     def corrupt(path: Path) -> None:
         data = bytearray(path.read_bytes())
         data[offset] ^= 0xFF
@@ -161,11 +174,15 @@ def corrupt_wrong_key(path: Path) -> None:
         corrupt_truncate,
         corrupt_extend,
         corrupt_wrong_key,
-        corrupt_header_byte(0),  # magic
-        corrupt_header_byte(4),  # format version
-        corrupt_header_byte(6),  # key length
-        corrupt_header_byte(8),  # payload length
-        corrupt_header_byte(HEADER_BYTES - 1),  # last key byte
+        corrupt_byte(0),  # first payload byte
+        corrupt_byte(99),  # last payload byte
+        corrupt_byte(-TRAILER_BYTES),  # digest
+        corrupt_byte(-TRAILER_BYTES + 16),  # first key byte
+        corrupt_byte(-16),  # payload length
+        corrupt_byte(-8),  # key length
+        corrupt_byte(-7),  # flags
+        corrupt_byte(-6),  # format version
+        corrupt_byte(-1),  # magic
     ],
 )
 def test_damaged_block_is_a_miss_and_is_removed(
@@ -210,3 +227,76 @@ def test_no_temporary_file_is_left_behind(tmp_path: Path) -> None:
         dump(backend, index)
     assert not list(tmp_path.rglob("*.tmp"))
     assert len(list(tmp_path.rglob("*.blk"))) == 3
+
+
+def test_payload_damage_goes_unnoticed_without_verify(tmp_path: Path) -> None:
+    backend = PosixBackend(tmp_path, 10_000)
+    dump(backend, 0)
+    corrupt_byte(0)(block_path(tmp_path, 0))
+    buffers = [make_buffer(100)]
+    unverified = PosixBackend(tmp_path, 10_000, verify=False)
+    assert unverified.load([make_key(0)], views(buffers)).wait() == [True]
+    assert buffers != [make_payload(0, 100)]  # The check that verify does is needed.
+    assert not loads(backend, 0)
+
+
+def test_trailer_describes_the_block(tmp_path: Path) -> None:
+    dump(PosixBackend(tmp_path, 10_000), 3)
+    data = block_path(tmp_path, 3).read_bytes()
+    trailer = parse_trailer(data[-TRAILER_BYTES:])
+    assert trailer is not None
+    assert (trailer.key, trailer.length, trailer.flags) == (make_key(3), 100, 0)
+    assert Sealer().verify(trailer, [memoryview(data[:-TRAILER_BYTES])])
+    assert not Sealer(SECRET).verify(trailer, [memoryview(data[:-TRAILER_BYTES])])
+
+
+def test_signed_blocks_load_only_with_the_same_secret(tmp_path: Path) -> None:
+    signed = PosixBackend(tmp_path, 10_000, secret=SECRET)
+    dump(signed, 0)
+    dump(signed, 1)
+    assert loads(PosixBackend(tmp_path, 10_000, secret=SECRET), 0)
+    assert not loads(PosixBackend(tmp_path, 10_000, secret=SECRET + b"x"), 0)
+    assert not loads(PosixBackend(tmp_path, 10_000), 1)  # A reader without the key.
+    assert not block_path(tmp_path, 1).exists()  # Refused blocks are removed.
+
+
+def test_writer_without_the_secret_cannot_get_its_blocks_served(tmp_path: Path) -> None:
+    forger = PosixBackend(tmp_path, 10_000)
+    signed = PosixBackend(tmp_path, 10_000, secret=SECRET)
+    dump(forger, 0)  # A well-formed block with a valid checksum, but no MAC.
+    assert not loads(signed, 0)
+    # Nor can it turn off verification in the signing reader.
+    assert not loads(PosixBackend(tmp_path, 10_000, secret=SECRET, verify=False), 0)
+
+
+def test_secret_from_file_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    monkeypatch.setenv("UCM_TEST_SECRET", SECRET.decode())
+    store = str(tmp_path / "s")
+    by_file = PosixBackend.from_tier(
+        TierConfig("posix", 5000, {"path": store, "secret_file": str(secret_file)})
+    )
+    by_env = PosixBackend.from_tier(
+        TierConfig("posix", 5000, {"path": store, "secret_env": "UCM_TEST_SECRET"})
+    )
+    dump(by_file, 0)
+    assert loads(by_env, 0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"secret_file": "missing"}, "secret_file 'missing'"),
+        ({"secret_env": "UCM_TEST_UNSET"}, "UCM_TEST_UNSET"),
+        ({"secret_env": "UCM_TEST_SHORT"}, "fewer than 16"),
+        ({"secret_env": "UCM_TEST_SHORT", "secret_file": "x"}, "not both"),
+    ],
+)
+def test_bad_secret_settings_name_the_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, str], message: str
+) -> None:
+    monkeypatch.delenv("UCM_TEST_UNSET", raising=False)
+    monkeypatch.setenv("UCM_TEST_SHORT", "short")
+    with pytest.raises(ValueError, match=message):
+        PosixBackend.from_tier(TierConfig("posix", 5000, {"path": str(tmp_path), **options}))

@@ -1,11 +1,12 @@
 """The ``posix`` backend: one file per block in a directory shared by many processes.
 
-Blocks live at ``root/v1/<first 3 hex digits>/<hex key>.blk``: a 48-byte header (magic
-``UCMB``, format version, key length, payload length, key zero-padded to 32 bytes), then
-the payload. Blocks are written to a private ``.tmp`` file and renamed into place, so
-other processes see whole blocks or none. Reads are checked against the header and the
-file size; a mismatch is a miss and removes the damaged file. Each process evicts the
-least recently used blocks it knows of to stay within its capacity.
+Blocks live at ``root/v2/<first 3 hex digits>/<hex key>.blk`` in the format of
+:mod:`ucm.store.blockfile` (payload, then a trailer with the key, length and a checksum
+or MAC). Blocks are written to a private ``.tmp`` file and renamed into place, so other
+processes see whole blocks or none. Every read is verified against the trailer; a
+damaged, torn or forged block is a miss and its file is removed, so that it can be
+written again. Each process evicts the least recently used blocks it knows of to stay
+within its capacity.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hashlib
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +35,14 @@ from ucm.store.base import (
     Usage,
     segments_nbytes,
 )
+from ucm.store.blockfile import (
+    FORMAT_VERSION,
+    MAX_KEY_BYTES,
+    MIN_SECRET_BYTES,
+    TRAILER_BYTES,
+    Sealer,
+    parse_trailer,
+)
 from ucm.store.posix_index import DirectoryIndex
 
 if TYPE_CHECKING:
@@ -42,12 +50,6 @@ if TYPE_CHECKING:
 
     from ucm.config import TierConfig
 
-MAX_KEY_BYTES = 32
-"""The longest key a block file's header can hold."""
-_MAGIC, _VERSION = b"UCMB", 1
-_HEADER = struct.Struct(f"<4sHHQ{MAX_KEY_BYTES}s")  # Magic, version, key length, size, key.
-HEADER_BYTES = _HEADER.size
-"""Size of the header that precedes every payload (48)."""
 DEFAULT_INDEX_REFRESH_SECONDS = 1.0
 """Default seconds between refreshes of the scheduler's in-memory view of the store."""
 _STALE_TMP_SECONDS = 3600.0  # Age at which a leftover .tmp file is removed in any case.
@@ -66,6 +68,9 @@ class PosixBackend(Backend):
         "path": str,
         "fsync": bool,
         "index_refresh_seconds": float,
+        "verify": bool,
+        "secret_file": str,
+        "secret_env": str,
     }
 
     def __init__(
@@ -75,6 +80,8 @@ class PosixBackend(Backend):
         *,
         fsync: bool = False,
         index_refresh_seconds: float = DEFAULT_INDEX_REFRESH_SECONDS,
+        verify: bool = True,
+        secret: bytes | None = None,
     ) -> None:
         """Open (creating if needed) a block directory and index the blocks already in it.
 
@@ -84,10 +91,14 @@ class PosixBackend(Backend):
             fsync: Flush each block's data to stable storage before renaming it into place.
             index_refresh_seconds: Seconds between refreshes of the in-memory view that
                 :meth:`key_index` opens; 0 opens none (every lookup asks the filesystem).
+            verify: Check each loaded payload against its trailer's checksum; without
+                it only the trailer is checked (a secret is always checked).
+            secret: Sign every block with a MAC under this key and load only blocks
+                whose MAC verifies; None stores plain checksums.
 
         Raises:
-            ValueError: ``capacity_bytes`` or ``index_refresh_seconds`` is negative, or
-                ``root`` is not a writable directory.
+            ValueError: ``capacity_bytes`` or ``index_refresh_seconds`` is negative,
+                ``root`` is not a writable directory, or the secret is too short.
         """
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
@@ -97,7 +108,9 @@ class PosixBackend(Backend):
                 f"got {index_refresh_seconds}"
             )
         self._index_refresh_seconds = index_refresh_seconds
-        self._dir = Path(root) / f"v{_VERSION}"
+        self._sealer = Sealer(secret)
+        self._verify = verify or secret is not None
+        self._dir = Path(root) / f"v{FORMAT_VERSION}"
         try:
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
@@ -116,11 +129,14 @@ class PosixBackend(Backend):
         """Build the backend from its tier configuration.
 
         Args:
-            tier: The tier's settings; option ``path`` is required, ``fsync`` and
-                ``index_refresh_seconds`` optional.
+            tier: The tier's settings; option ``path`` is required; ``fsync``,
+                ``index_refresh_seconds``, ``verify`` and one of ``secret_file`` (a file
+                holding the signing secret) or ``secret_env`` (an environment variable
+                holding it) are optional.
 
         Raises:
-            ValueError: The ``path`` option is missing, or the directory is unusable.
+            ValueError: The ``path`` option is missing, the directory is unusable, or
+                the secret cannot be read.
         """
         options = tier.options
         if "path" not in options:
@@ -132,6 +148,8 @@ class PosixBackend(Backend):
             tier.capacity,
             fsync=options.get("fsync") is True,
             index_refresh_seconds=refresh,
+            verify=options.get("verify") is not False,
+            secret=read_secret(options),
         )
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -193,7 +211,7 @@ class PosixBackend(Backend):
         """
         if not self._index_refresh_seconds:
             return None
-        return DirectoryIndex(self._dir, _block_file_key, self._index_refresh_seconds)
+        return DirectoryIndex(self._dir, block_file_key, self._index_refresh_seconds)
 
     def usage(self) -> Usage:
         """Return the payload bytes and blocks this process knows to be in the directory."""
@@ -213,12 +231,12 @@ class PosixBackend(Backend):
         for entry in self._dir.glob("*/*"):
             with contextlib.suppress(OSError, ValueError):
                 stat = entry.stat()
-                if entry.suffix == ".tmp" and _is_stale_tmp(entry.name, stat.st_mtime, now):
+                if entry.suffix == ".tmp" and is_stale_tmp(entry.name, stat.st_mtime, now):
                     entry.unlink()
-                elif entry.suffix == ".blk" and stat.st_size >= HEADER_BYTES:
+                elif entry.suffix == ".blk" and stat.st_size >= TRAILER_BYTES:
                     key = BlockKey(bytes.fromhex(entry.stem))
                     if self._path(key) == entry:  # Else a stray file.
-                        found.append((stat.st_mtime, key, stat.st_size - HEADER_BYTES))
+                        found.append((stat.st_mtime, key, stat.st_size - TRAILER_BYTES))
         with self._lock:
             for _, key, size in sorted(found):
                 self._remember(key, size)
@@ -226,7 +244,7 @@ class PosixBackend(Backend):
     def _stat(self, key: BlockKey) -> int | None:
         """Return the payload size of ``key``'s file, or None; mark the key used if it exists."""
         try:
-            size = os.stat(self._path(key)).st_size - HEADER_BYTES
+            size = os.stat(self._path(key)).st_size - TRAILER_BYTES
         except OSError:
             size = -1
         if size < 0:  # Missing, or too short to be a block.
@@ -237,8 +255,6 @@ class PosixBackend(Backend):
         return size
 
     def _load_one(self, key: BlockKey, segments: Segments) -> bool:
-        size = segments_nbytes(segments)
-        header = bytearray(HEADER_BYTES)
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except OSError as exc:
@@ -246,19 +262,41 @@ class PosixBackend(Backend):
                 self._forget(key)
             return False
         try:
-            read = _transfer(os.preadv, fd, [memoryview(header), *segments])
-            length = _header_length(header, key)
-            if length is None or os.fstat(fd).st_size != HEADER_BYTES + length:
-                self.delete([key])  # Damaged or torn: remove it so that it can be rewritten.
-                return False
-            if length != size or read != HEADER_BYTES + size:
-                return False
+            whole = self._read_verified(fd, key, segments)
         except OSError:
             return False
         finally:
             os.close(fd)
-        with self._lock:
-            self._remember(key, length)
+        if whole is None:  # Damaged, torn or forged: remove it so that it can be rewritten.
+            self.delete([key])
+            return False
+        if whole:
+            with self._lock:
+                self._remember(key, segments_nbytes(segments))
+        return whole
+
+    def _read_verified(self, fd: int, key: BlockKey, segments: Segments) -> bool | None:
+        """Read ``key``'s open block file into ``segments`` and check it.
+
+        Returns:
+            True for a verified block; False for a whole block of another size than
+            ``segments`` (the caller's mistake: the file stays); None for a bad file.
+        """
+        size = segments_nbytes(segments)
+        raw = bytearray(TRAILER_BYTES)
+        file_size = os.fstat(fd).st_size
+        if file_size != size + TRAILER_BYTES:  # Only read the trailer.
+            read = os.preadv(fd, [raw], max(file_size - TRAILER_BYTES, 0))
+            trailer = parse_trailer(raw) if read == TRAILER_BYTES else None
+            whole = trailer and trailer.key == key and trailer.length + TRAILER_BYTES == file_size
+            return False if whole else None
+        if _transfer(os.preadv, fd, [*segments, memoryview(raw)]) != file_size:
+            return None  # Cut short while being read.
+        trailer = parse_trailer(raw)
+        if trailer is None or trailer.key != key or trailer.length != size:
+            return None
+        if self._verify and not self._sealer.verify(trailer, segments):
+            return None
         return True
 
     def _dump_one(self, key: BlockKey, segments: Segments) -> bool:
@@ -287,12 +325,12 @@ class PosixBackend(Backend):
     def _write(self, key: BlockKey, segments: Segments, size: int) -> bool:
         path = self._path(key)
         tmp = path.with_name(_tmp_name(key, os.getpid()))
-        header = memoryview(_HEADER.pack(_MAGIC, _VERSION, len(key), size, key))
+        trailer = memoryview(self._sealer.seal(key, segments).pack())
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                if _transfer(os.pwritev, fd, [header, *segments]) != HEADER_BYTES + size:
+                if _transfer(os.pwritev, fd, [*segments, trailer]) != size + TRAILER_BYTES:
                     raise OSError(f"short write to {tmp}")
                 if self._fsync:
                     os.fsync(fd)
@@ -319,7 +357,7 @@ class PosixBackend(Backend):
                 self._used -= size
 
 
-def _block_file_key(subdir: str, name: str) -> BlockKey | None:
+def block_file_key(subdir: str, name: str) -> BlockKey | None:
     """Return the key of the block file ``subdir/name``, or None for any other file."""
     if not name.endswith(".blk") or not name.startswith(subdir):
         return None
@@ -335,7 +373,7 @@ def _tmp_name(key: BlockKey, pid: int) -> str:
     return f"{key.hex()}.{_HOST_TAG}.{pid}.{secrets.token_hex(4)}.tmp"
 
 
-def _is_stale_tmp(name: str, mtime: float, now: float) -> bool:
+def is_stale_tmp(name: str, mtime: float, now: float) -> bool:
     """Return whether a temporary file is old or was left by a dead process on this host."""
     parts = name.split(".")
     if now - mtime > _STALE_TMP_SECONDS:
@@ -351,12 +389,31 @@ def _is_stale_tmp(name: str, mtime: float, now: float) -> bool:
     return False
 
 
-def _header_length(header: bytes | bytearray, key: BlockKey) -> int | None:
-    """Return the payload length a block header announces for ``key``, or None if damaged."""
-    length: int = _HEADER.unpack(header)[3]
-    if header != _HEADER.pack(_MAGIC, _VERSION, len(key), length, key):
+def read_secret(options: Mapping[str, object]) -> bytes | None:
+    """Return the signing secret named by a tier's ``secret_file`` or ``secret_env``.
+
+    The secret itself never appears in the configuration (which is logged).
+
+    Raises:
+        ValueError: Both options are given, or the file or variable is missing or empty.
+    """
+    file, env = options.get("secret_file"), options.get("secret_env")
+    if file is not None and env is not None:
+        raise ValueError("posix backend: give 'secret_file' or 'secret_env', not both")
+    if file is not None:
+        try:
+            secret = Path(str(file)).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"posix backend: secret_file {str(file)!r}: {exc}") from exc
+        where = f"secret_file {str(file)!r}"
+    elif env is not None:
+        secret = os.environ.get(str(env), "").encode()
+        where = f"secret_env: environment variable {env!r}"
+    else:
         return None
-    return length
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"posix backend: {where} holds {len(secret)} bytes, fewer than 16")
+    return secret
 
 
 def _transfer(

@@ -91,6 +91,8 @@ class PhaseResult:
     """Seconds the whole phase took."""
     prompt_tokens: list[int] = field(default_factory=list)
     """Prompt length of each request (follow-ups include the conversation so far)."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """Why each request ended (``length`` normally; ``error`` for a failed request)."""
 
 
 def run_engine(spec: EngineSpec, workdir: Path, timeout: float = 600) -> list[PhaseResult]:
@@ -184,6 +186,7 @@ def _serve(workdir: Path) -> None:
                 latency = getattr(output.metrics, "first_token_latency", 0.0)
                 result.outputs.append(list(output.outputs[0].token_ids))
                 result.cached_tokens.append(int(output.num_cached_tokens or 0))
+                result.finish_reasons.append(str(output.outputs[0].finish_reason))
                 result.ttft_s.append(float(latency) if latency else elapsed)
         result.wall_s = time.perf_counter() - phase_started
         result.prompt_tokens = [len(prompt) for prompt in prompts]

@@ -88,6 +88,9 @@ class UCMScheduler:
                 self._tiers.append(MirroredTier(tier.capacity // block_bytes))
         self._async_load = config.async_load
         self._requests: dict[str, _RequestState] = {}
+        # Requests finished since the last connector output: vLLM fails a request for
+        # a bad load (policy "fail") before it reports the bad blocks.
+        self._just_finished: list[_RequestState] = []
         self._steps = itertools.count(1)
         self._failed: OrderedDict[BlockKey, float] = OrderedDict()  # Key -> offer again after.
 
@@ -124,10 +127,11 @@ class UCMScheduler:
             output: What the workers reported this step; only its failed blocks matter.
         """
         invalid = output.invalid_block_ids
+        just_finished, self._just_finished = self._just_finished, []
         if not invalid:
             return
         until = time.monotonic() + FAILED_BLOCK_SECONDS
-        for state in self._requests.values():
+        for state in [*self._requests.values(), *just_finished]:
             for index, block_id in enumerate(state.block_ids[: len(state.chain.keys)]):
                 if block_id in invalid:
                     key = state.chain.keys[index]
@@ -155,6 +159,7 @@ class UCMScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UCMConnectorMetadata:
         """Turn this step's decisions into the worker half's instructions."""
         step = next(self._steps)
+        self._just_finished = []  # The connector output of their last step was handled.
         meta = UCMConnectorMetadata()
         loading = [
             (state, state.pending_load)
@@ -189,7 +194,9 @@ class UCMScheduler:
 
     def request_finished(self, request: Request) -> None:
         """Forget a finished request (its saves completed within its steps)."""
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self._just_finished.append(state)
 
     def close(self) -> None:
         """Stop the tier views' background work."""

@@ -1,0 +1,139 @@
+"""Offline checks of a ``posix`` store: ``ucm fsck`` and ``ucm du``.
+
+:func:`fsck` reads every block file of a store, verifies its trailer and digest, and
+counts what it finds; with ``repair`` it removes damaged blocks and the temporary files
+of writers that died. :func:`disk_usage` only lists files, for a quick size report.
+Both are safe to run while engines use the store: block files are replaced atomically,
+and a temporary file is removed only once its writer is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ucm.store.blockfile import FORMAT_VERSION, TRAILER_BYTES, Sealer, parse_trailer
+from ucm.store.posix import block_file_key, is_stale_tmp
+
+
+@dataclass
+class FsckReport:
+    """What :func:`fsck` found in a store."""
+
+    blocks: int = 0
+    """Block files that verified."""
+    payload_bytes: int = 0
+    """Payload bytes of the blocks that verified."""
+    damaged: list[Path] = field(default_factory=list)
+    """Block files that did not verify (torn, corrupted, misnamed or forged)."""
+    stale_tmp: list[Path] = field(default_factory=list)
+    """Temporary files of writers that died (or of an hour ago)."""
+    stray: list[Path] = field(default_factory=list)
+    """Files in the store that are neither blocks nor temporary files."""
+    other_versions: list[Path] = field(default_factory=list)
+    """Directories of other block format versions (never read by this version)."""
+    removed: int = 0
+    """Files removed by the repair."""
+
+    @property
+    def clean(self) -> bool:
+        """Whether nothing needs repair."""
+        return not (self.damaged or self.stale_tmp)
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """The size of a store, from its file listing."""
+
+    blocks: int
+    """Block files."""
+    file_bytes: int
+    """Bytes of block files, trailers included."""
+    tmp_files: int
+    """Temporary files (writes in flight or left by dead writers)."""
+
+
+def fsck(root: Path, *, secret: bytes | None = None, repair: bool = False) -> FsckReport:
+    """Verify every block of the ``posix`` store at ``root``.
+
+    Args:
+        root: The store's ``path`` option (the directory holding ``v2``).
+        secret: The store's signing secret, if it signs blocks.
+        repair: Remove damaged blocks and stale temporary files.
+
+    Returns:
+        The counts and the paths of whatever needs attention.
+
+    Raises:
+        ValueError: ``root`` is not a directory.
+    """
+    if not Path(root).is_dir():
+        raise ValueError(f"fsck: {str(root)!r} is not a directory")
+    report = FsckReport()
+    sealer = Sealer(secret)
+    now = time.time()
+    report.other_versions = sorted(
+        path for path in Path(root).glob("v*") if path.name != f"v{FORMAT_VERSION}"
+    )
+    for path in _files(Path(root)):
+        if path.suffix == ".tmp":
+            with contextlib.suppress(OSError):
+                if is_stale_tmp(path.name, path.stat().st_mtime, now):
+                    report.stale_tmp.append(path)
+            continue
+        key = block_file_key(path.parent.name, path.name)
+        if key is None:
+            report.stray.append(path)
+            continue
+        try:
+            data = memoryview(path.read_bytes())
+        except FileNotFoundError:  # Evicted since it was listed.
+            continue
+        trailer = parse_trailer(data[-TRAILER_BYTES:])
+        payload = data[:-TRAILER_BYTES]
+        if (
+            trailer is None
+            or trailer.key != key
+            or trailer.length != payload.nbytes
+            or not sealer.verify(trailer, [payload])
+        ):
+            report.damaged.append(path)
+        else:
+            report.blocks += 1
+            report.payload_bytes += payload.nbytes
+    if repair:
+        for path in report.damaged + report.stale_tmp:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                report.removed += 1
+    return report
+
+
+def disk_usage(root: Path) -> DiskUsage:
+    """Sum the block files of the ``posix`` store at ``root`` without reading them.
+
+    Raises:
+        ValueError: ``root`` is not a directory.
+    """
+    if not Path(root).is_dir():
+        raise ValueError(f"du: {str(root)!r} is not a directory")
+    blocks = file_bytes = tmp_files = 0
+    for path in _files(Path(root)):
+        with contextlib.suppress(FileNotFoundError):
+            if path.suffix == ".blk":
+                file_bytes += path.stat().st_size
+                blocks += 1
+            elif path.suffix == ".tmp":
+                tmp_files += 1
+    return DiskUsage(blocks, file_bytes, tmp_files)
+
+
+def _files(root: Path) -> list[Path]:
+    """List the files under ``root/v<FORMAT_VERSION>``, in name order."""
+    files: list[Path] = []
+    for top, _, names in os.walk(root / f"v{FORMAT_VERSION}"):
+        files.extend(Path(top) / name for name in names)
+    return sorted(files)
