@@ -14,8 +14,9 @@ def test_datapath_benchmark_reports_rates_ratios_and_lookup(tmp_path: Path) -> N
     rates = {rate["name"]: rate["gb_per_s"] for rate in results["rates"]}  # type: ignore[union-attr, index]
     assert {"memory copy", "dram save", "posix load", "gather", "scatter"} <= set(rates)
     assert {"dram load into pages, 4 threads", "posix save from pages"} <= set(rates)
+    assert {"block checksum", "posix load, verify off"} <= set(rates)
     assert all(value > 0 for value in rates.values())
-    assert len(results["ratios"]) == 7  # type: ignore[arg-type]
+    assert len(results["ratios"]) == 8  # type: ignore[arg-type]
     assert set(results["lookup"]) == {  # type: ignore[arg-type]
         "key hashing (us)",
         "dram prefix lookup (us)",

@@ -24,6 +24,7 @@ from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView, s
 from ucm.keys import KeyChain
 from ucm.store.base import Backend, BlockKey
 from ucm.store.dram import DramBackend
+from ucm.store.blockfile import Sealer
 from ucm.store.posix import PosixBackend
 from ucm.transfer.paged import PagedKV, row_payloads
 from ucm.transfer.reader import BlockRead, BlockReader
@@ -72,6 +73,18 @@ def memory_copy(nbytes: int) -> Rate:
 
     copy()  # Touch every page first: first-touch faults are not copy bandwidth.
     return Rate("memory copy", best_rate(nbytes, copy), f"{nbytes >> 20} MiB")
+
+
+def checksum_rate(nbytes: int) -> Rate:
+    """Measure the block checksum (xxh3-128) that every ``posix`` save and load computes."""
+    data = memoryview(bytearray(b"\1") * nbytes)
+    sealer = Sealer()
+    key = BlockKey(bytes(32))
+
+    def seal() -> None:
+        sealer.seal(key, [data])
+
+    return Rate("block checksum", best_rate(nbytes, seal), "xxh3-128")
 
 
 def disk_sequential(directory: Path, nbytes: int) -> list[Rate]:
@@ -260,12 +273,16 @@ def run(
     """
     store_dir.mkdir(parents=True, exist_ok=True)
     total = block_bytes * count
-    rates = [memory_copy(total), *disk_sequential(store_dir, disk_bytes)]
+    rates = [memory_copy(total), checksum_rate(total), *disk_sequential(store_dir, disk_bytes)]
     # A pool of one batch: from the second batch on it is full and recycles evicted
     # blocks' memory, the steady state of a serving engine.
     rates += backend_rates("dram", DramBackend(total), block_bytes, count)
     posix_dir = store_dir / "posix"
     rates += backend_rates("posix", PosixBackend(posix_dir, 4 * total), block_bytes, count)
+    shutil.rmtree(posix_dir, ignore_errors=True)
+    unverified = PosixBackend(posix_dir, 4 * total, verify=False)
+    load = backend_rates("posix", unverified, block_bytes, count)[1]
+    rates.append(Rate("posix load, verify off", load.gb_per_s, load.note))
     shutil.rmtree(posix_dir, ignore_errors=True)
     rates += paged_rates(block_bytes, min(count, 128), num_blocks=512)
     rates += in_place_rates("dram", DramBackend(total), block_bytes, count, threads)
@@ -279,6 +296,8 @@ def run(
         "posix save / disk write (page cache)": rate["posix save"]
         / rate["disk write (page cache)"],
         "posix load / disk read": rate["posix load"] / rate["disk read"],
+        "posix load / posix load with verify off": rate["posix load"]
+        / rate["posix load, verify off"],
         "dram save from pages / memory copy": rate["dram save from pages"] / rate["memory copy"],
         f"dram load into pages ({threads} threads) / memory copy": rate[
             f"dram load into pages, {threads} threads"
