@@ -23,8 +23,8 @@ import torch
 from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView, stored_prefix
 from ucm.keys import KeyChain
 from ucm.store.base import Backend, BlockKey
-from ucm.store.dram import DramBackend
 from ucm.store.blockfile import Sealer
+from ucm.store.dram import DramBackend
 from ucm.store.posix import PosixBackend
 from ucm.transfer.paged import PagedKV, row_payloads
 from ucm.transfer.reader import BlockRead, BlockReader

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import socket
@@ -45,6 +46,8 @@ from ucm.store.blockfile import (
 )
 from ucm.store.posix_index import DirectoryIndex
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from typing import Self
 
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 
 DEFAULT_INDEX_REFRESH_SECONDS = 1.0
 """Default seconds between refreshes of the scheduler's in-memory view of the store."""
+_FAILURE_LOG_SECONDS = 60.0  # Least time between two warnings about failing writes.
 _STALE_TMP_SECONDS = 3600.0  # Age at which a leftover .tmp file is removed in any case.
 _IOV_MAX = 512  # Buffers per vectored call; POSIX guarantees at least 16, Linux 1024.
 _HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
@@ -122,6 +126,10 @@ class PosixBackend(Backend):
         self._index: OrderedDict[BlockKey, int] = OrderedDict()  # Key -> payload size, LRU first.
         self._used = self._reserved = 0  # Payload bytes indexed; bytes of writes in flight.
         self._lock = threading.Lock()
+        self.dropped_writes = 0
+        """Blocks whose write failed (disk full, read-only, directory gone) since start."""
+        self._dropped_since_ok = 0
+        self._last_failure_log = -_FAILURE_LOG_SECONDS
         self._scan()
 
     @classmethod
@@ -263,6 +271,9 @@ class PosixBackend(Backend):
             return False
         try:
             whole = self._read_verified(fd, key, segments)
+            if whole:  # The file's time is its last use: restarts and `ucm gc` evict by it.
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
         except OSError:
             return False
         finally:
@@ -327,7 +338,7 @@ class PosixBackend(Backend):
         tmp = path.with_name(_tmp_name(key, os.getpid()))
         trailer = memoryview(self._sealer.seal(key, segments).pack())
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            self._make_dirs(path.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 if _transfer(os.pwritev, fd, [*segments, trailer]) != size + TRAILER_BYTES:
@@ -337,11 +348,46 @@ class PosixBackend(Backend):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        except OSError:
+        except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            self._write_failed(exc)
             return False
+        if self._dropped_since_ok:  # Unlocked peek: almost always 0.
+            with self._lock:
+                resumed, self._dropped_since_ok = self._dropped_since_ok, 0
+                self._last_failure_log = -_FAILURE_LOG_SECONDS
+            if resumed:
+                logger.warning(
+                    "ucm: posix tier %s: writes resumed (%d dropped)", self._dir, resumed
+                )
         return True
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create ``directory`` and any missing parent (the store may have been removed)."""
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for path in reversed(missing):
+            path.mkdir(mode=0o700, exist_ok=True)
+
+    def _write_failed(self, exc: OSError) -> None:
+        """Count a dropped write; log the first of a run of failures, then once a minute."""
+        with self._lock:
+            self.dropped_writes += 1
+            self._dropped_since_ok += 1
+            now = time.monotonic()
+            if now - self._last_failure_log < _FAILURE_LOG_SECONDS:
+                return
+            self._last_failure_log = now
+        logger.warning(
+            "ucm: posix tier %s: cannot write a block (%s); dropping writes until it "
+            "works again (%d dropped so far)",
+            self._dir,
+            exc.strerror or exc,
+            self.dropped_writes,
+        )
 
     def _remember(self, key: BlockKey, size: int) -> None:
         """Record ``key`` as most recently used; the caller holds the lock."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ucm.store.base import Backend, BlockKey, Segments, segments_nbytes
 
 logger = logging.getLogger(__name__)
+_LOG_SECONDS = 60.0  # Least time between two warnings about failed writes.
 
 
 class BackgroundWriter:
@@ -36,6 +38,7 @@ class BackgroundWriter:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ucm-writer")
         self.failed_blocks = 0
         """Blocks whose background write failed since start (they are future misses)."""
+        self._last_log = -_LOG_SECONDS
 
     def submit(
         self,
@@ -96,15 +99,24 @@ class BackgroundWriter:
     ) -> None:
         error = future.exception()
         failed = len(keys) if error is not None else future.result()
-        if failed:
-            logger.warning(
-                "ucm: %d of %d background block writes failed (%r)", failed, len(keys), error
-            )
         on_done()
         with self._done:
             self.failed_blocks += failed
+            now = time.monotonic()
+            log = failed and now - self._last_log >= _LOG_SECONDS
+            if log:
+                self._last_log = now
             for key in keys:
                 if self._pending.get(key) is future:
                     del self._pending[key]
             self._pending_bytes -= nbytes
             self._done.notify_all()
+        if log:
+            logger.warning(
+                "ucm: %d background block writes failed since start (lately %d of %d: %s); "
+                "they will be misses",
+                self.failed_blocks,
+                failed,
+                len(keys),
+                "the tier refused them" if error is None else repr(error),
+            )
