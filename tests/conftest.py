@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,3 +13,26 @@ import pytest
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory for locally built models, shared by the whole session."""
     return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 512 KiB tmpfs mounted for the test, to fill up; skipped where mounting is denied."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mount)]
+    try:
+        mounted = subprocess.run(command, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        pytest.skip("no mount command: the disk-full tests need a small filesystem")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def remount(mount: Path, mode: str) -> None:
+    """Remount a :func:`small_filesystem` read-only (``ro``) or writable (``rw``)."""
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(mount)], check=True)

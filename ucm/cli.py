@@ -1,5 +1,6 @@
 """The ``ucm`` command line: ``ucm demo`` runs vLLM twice and shows what ucm saves;
-``ucm bench`` measures; ``ucm fsck`` and ``ucm du`` check and size a ``posix`` store."""
+``ucm bench`` measures; ``ucm fsck``, ``ucm du`` and ``ucm gc`` check, size and trim
+``posix`` stores."""
 
 from __future__ import annotations
 
@@ -58,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--secret-env", help="environment variable holding the secret")
     usage = commands.add_parser("du", help="show the size of posix stores")
     usage.add_argument("paths", type=Path, nargs="+", help="posix tiers' paths")
+    collect = commands.add_parser("gc", help="trim a posix store to a size (LRU first)")
+    collect.add_argument("path", type=Path, help="the posix tier's path")
+    collect.add_argument("--size", required=True, help="bytes to keep, e.g. 10GiB")
     args = parser.parse_args(argv)
+    if args.command == "gc":
+        return run_gc(args.path, args.size)
     if args.command == "fsck":
         return run_fsck(args.path, args.repair, args.secret_file, args.secret_env)
     if args.command == "du":
@@ -137,6 +143,24 @@ def run_fsck(path: Path, repair: bool, secret_file: str | None, secret_env: str 
         return 1
     print("problems found; run again with --repair to remove them")
     return 2
+
+
+def run_gc(path: Path, size: str) -> int:
+    """Trim a posix store to ``size`` payload bytes, least recently used blocks first.
+
+    Returns:
+        0, or 2 when the path or the size is bad.
+    """
+    from ucm.config import parse_size
+    from ucm.store.posix_fsck import trim
+
+    try:
+        removed, left = trim(path, parse_size(size, "--size"))
+    except ValueError as exc:
+        print(f"ucm gc: {exc}")
+        return 2
+    print(f"{path}: removed {removed} blocks, {left / 2**20:.1f} MiB of KV left")
+    return 0
 
 
 def run_du(paths: list[Path]) -> int:

@@ -319,3 +319,18 @@ def test_engine_killed_while_saving_leaves_a_store_that_serves_exactly(
     assert not list(store.rglob("*.tmp"))
     report = fsck(store)
     assert report.clean and report.blocks > 0
+
+
+def test_full_disk_drops_saves_and_serves_exactly(
+    tiny_model: str, reference: Any, small_filesystem: Path, tmp_path: Path
+) -> None:
+    """A 512 KiB filesystem under a 256 MiB posix tier: most saves fail with ENOSPC."""
+    transfer = ucm("posix", small_filesystem / "store")
+    warm_phase = Phase(WORKLOAD.warm, reset_before_each=True)
+    spec = EngineSpec(tiny_model, [Phase(WORKLOAD.cold), warm_phase], 32, transfer)
+    warm = run_engine(spec, tmp_path / "engine")[1]
+    assert warm.outputs == reference(32)
+    assert 0 < sum(warm.cached_tokens) < sum(WORKLOAD.expected_loaded(32))
+    log = (tmp_path / "engine" / "engine.log").read_text()
+    assert "No space left on device" in log
+    assert not list(small_filesystem.rglob("*.tmp"))

@@ -10,7 +10,7 @@ import pytest
 from tests.unit.test_store_posix import DEAD_PID, SECRET, block_path, dump, loads
 from ucm.cli import main
 from ucm.store.posix import PosixBackend, _tmp_name
-from ucm.store.posix_fsck import fsck
+from ucm.store.posix_fsck import disk_usage, fsck, trim
 from ucm.testing.conformance import make_key
 
 
@@ -85,3 +85,27 @@ def test_bad_paths_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["fsck", str(missing)]) == 2
     assert main(["du", str(missing)]) == 2
     assert capsys.readouterr().out.count(str(missing)) == 2
+
+
+def test_gc_trims_least_recently_used_blocks_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backend = PosixBackend(tmp_path, 10_000)
+    for index in range(6):
+        dump(backend, index)
+        os.utime(block_path(tmp_path, index), (1000.0 + index, 1000.0 + index))
+    assert loads(backend, 0)  # A load marks the block used: it is now the newest.
+    assert trim(tmp_path, 350) == (3, 300)
+    assert [block_path(tmp_path, i).exists() for i in range(6)] == [
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert main(["gc", str(tmp_path), "--size", "100"]) == 0
+    assert "removed 2 blocks" in capsys.readouterr().out
+    assert disk_usage(tmp_path).blocks == 1
+    assert main(["gc", str(tmp_path), "--size", "lots"]) == 2
+    assert "--size" in capsys.readouterr().out

@@ -1,10 +1,12 @@
-"""Offline checks of a ``posix`` store: ``ucm fsck`` and ``ucm du``.
+"""Offline tools for a ``posix`` store: ``ucm fsck``, ``ucm du`` and ``ucm gc``.
 
 :func:`fsck` reads every block file of a store, verifies its trailer and digest, and
 counts what it finds; with ``repair`` it removes damaged blocks and the temporary files
 of writers that died. :func:`disk_usage` only lists files, for a quick size report.
-Both are safe to run while engines use the store: block files are replaced atomically,
-and a temporary file is removed only once its writer is gone.
+:func:`trim` removes the least recently used blocks (by file time, which every load
+updates) until the store fits a size. All are safe to run while engines use the store:
+block files are replaced atomically, a reader of a removed block sees a miss, and a
+temporary file is removed only once its writer is gone.
 """
 
 from __future__ import annotations
@@ -129,6 +131,42 @@ def disk_usage(root: Path) -> DiskUsage:
             elif path.suffix == ".tmp":
                 tmp_files += 1
     return DiskUsage(blocks, file_bytes, tmp_files)
+
+
+def trim(root: Path, max_bytes: int) -> tuple[int, int]:
+    """Remove least recently used blocks until their payloads total at most ``max_bytes``.
+
+    Args:
+        root: The store's ``path`` option.
+        max_bytes: Payload bytes to keep at most (the tier's ``capacity`` semantics).
+
+    Returns:
+        The blocks removed and the payload bytes left.
+
+    Raises:
+        ValueError: ``root`` is not a directory or ``max_bytes`` is negative.
+    """
+    if not Path(root).is_dir():
+        raise ValueError(f"gc: {str(root)!r} is not a directory")
+    if max_bytes < 0:
+        raise ValueError(f"gc: the size must not be negative, got {max_bytes}")
+    blocks: list[tuple[float, Path, int]] = []
+    for path in _files(Path(root)):
+        if path.suffix == ".blk":
+            with contextlib.suppress(FileNotFoundError):
+                stat = path.stat()
+                blocks.append((stat.st_mtime, path, max(stat.st_size - TRAILER_BYTES, 0)))
+    blocks.sort()
+    total = sum(size for _, _, size in blocks)
+    removed = 0
+    for _, path, size in blocks:
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+        total -= size
+    return removed, total
 
 
 def _files(root: Path) -> list[Path]:
