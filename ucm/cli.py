@@ -116,7 +116,7 @@ def run_fsck(path: Path, repair: bool, secret_file: str | None, secret_env: str 
     Returns:
         0 when the store is clean, 1 when problems were repaired, 2 when problems remain.
     """
-    from ucm.store.posix import read_secret
+    from ucm.store.posix_files import read_secret
     from ucm.store.posix_fsck import fsck
 
     options = {"secret_file": secret_file, "secret_env": secret_env}

@@ -53,14 +53,16 @@ def test_disk_full_drops_writes_then_resumes(
 def test_read_only_filesystem_drops_writes_and_serves_reads(small_filesystem: Path) -> None:
     backend = PosixBackend(small_filesystem / "store", 64 << 20)
     assert dump(backend, 0)
-    remount(small_filesystem, "ro")
+    remount(small_filesystem, "ro")  # Possible only with no file open for writing.
     try:
         assert not dump(backend, 1)
         assert backend.dropped_writes == 1
         assert loads(backend, 0, BLOCK)
+        assert backend.usage().used_bytes == BLOCK
     finally:
         remount(small_filesystem, "rw")
     assert dump(backend, 1)
+    assert backend.usage().used_bytes == 2 * BLOCK
 
 
 def test_removed_store_directory_is_a_miss_then_created_again(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from tests.unit.test_store_posix import DEAD_PID, SECRET, block_path, dump, loads
 from ucm.cli import main
-from ucm.store.posix import PosixBackend, _tmp_name
+from ucm.store.posix import PosixBackend
+from ucm.store.posix_files import tmp_name
 from ucm.store.posix_fsck import disk_usage, fsck, trim
 from ucm.testing.conformance import make_key
 
@@ -24,7 +25,7 @@ def damaged_store(root: Path) -> dict[str, Path]:
     data = bytearray(flipped.read_bytes())
     data[10] ^= 1
     flipped.write_bytes(data)
-    tmp = block_path(root, 0).parent / _tmp_name(make_key(9), DEAD_PID)
+    tmp = block_path(root, 0).parent / tmp_name(make_key(9), DEAD_PID)
     tmp.write_bytes(b"partial")
     stray = block_path(root, 0).parent / "notes.txt"
     stray.write_text("not a block")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from contextlib import closing
 from pathlib import Path
@@ -116,8 +117,7 @@ def test_ignores_other_files_and_survives_the_directory_vanishing(tmp_path: Path
         assert index.contains_many([stray]) == [False]
         for path in subdir.iterdir():
             path.unlink()
-        subdir.rmdir()
-        (tmp_path / "v2").rmdir()
+        shutil.rmtree(tmp_path / "v2")
         index.refresh()
         assert held(index) == []
 

@@ -13,7 +13,8 @@ import pytest
 from ucm.config import TierConfig
 from ucm.store.base import Backend
 from ucm.store.blockfile import TRAILER_BYTES, Sealer, parse_trailer
-from ucm.store.posix import PosixBackend, _tmp_name
+from ucm.store.posix import PosixBackend
+from ucm.store.posix_files import tmp_name
 from ucm.testing.conformance import (
     BackendConformance,
     make_buffer,
@@ -208,9 +209,9 @@ def test_wrong_size_destination_keeps_the_block(tmp_path: Path) -> None:
 def test_stale_temporary_files_are_removed_at_startup(tmp_path: Path) -> None:
     shard = block_path(tmp_path, 0).parent
     shard.mkdir(parents=True)
-    dead = shard / _tmp_name(make_key(0), DEAD_PID)
-    old = shard / _tmp_name(make_key(1), os.getpid())
-    live = shard / _tmp_name(make_key(2), os.getpid())
+    dead = shard / tmp_name(make_key(0), DEAD_PID)
+    old = shard / tmp_name(make_key(1), os.getpid())
+    live = shard / tmp_name(make_key(2), os.getpid())
     foreign = shard / f"{make_key(3).hex()}.otherhost.{DEAD_PID}.abcd.tmp"
     for path in (dead, old, live, foreign):
         path.write_bytes(b"partial")

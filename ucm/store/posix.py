@@ -5,29 +5,28 @@ Blocks live at ``root/v2/<first 3 hex digits>/<hex key>.blk`` in the format of
 or MAC). Blocks are written to a private ``.tmp`` file and renamed into place, so other
 processes see whole blocks or none. Every read is verified against the trailer; a
 damaged, torn or forged block is a miss and its file is removed, so that it can be
-written again. Each process evicts the least recently used blocks it knows of to stay
-within its capacity.
+written again. Capacity holds for the directory as a whole: writers reserve room in a
+ledger shared by every process (:mod:`ucm.store.posix_ledger`) before publishing a
+block, evicting the least recently used blocks they know of (their own, those found at
+start-up and those others wrote lately) until the block fits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import errno
 import logging
 import os
-import secrets
-import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ucm.store.base import (
     Backend,
     BlockKey,
-    Buffer,
     Capabilities,
     CompletedTask,
     KeyIndex,
@@ -39,12 +38,21 @@ from ucm.store.base import (
 from ucm.store.blockfile import (
     FORMAT_VERSION,
     MAX_KEY_BYTES,
-    MIN_SECRET_BYTES,
     TRAILER_BYTES,
     Sealer,
     parse_trailer,
 )
-from ucm.store.posix_index import DirectoryIndex
+from ucm.store.posix_files import (
+    block_file_key,
+    list_blocks,
+    publish,
+    read_secret,
+    tmp_name,
+    totals_of,
+    transfer,
+)
+from ucm.store.posix_index import ChangedSubdirs, DirectoryIndex
+from ucm.store.posix_ledger import Ledger, make_private_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +61,11 @@ if TYPE_CHECKING:
 
     from ucm.config import TierConfig
 
+
 DEFAULT_INDEX_REFRESH_SECONDS = 1.0
 """Default seconds between refreshes of the scheduler's in-memory view of the store."""
+_RECOUNT_SECONDS = 60.0  # Least time between two recounts of a full store's ledger.
 _FAILURE_LOG_SECONDS = 60.0  # Least time between two warnings about failing writes.
-_STALE_TMP_SECONDS = 3600.0  # Age at which a leftover .tmp file is removed in any case.
-_IOV_MAX = 512  # Buffers per vectored call; POSIX guarantees at least 16, Linux 1024.
-_HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
 class PosixBackend(Backend):
@@ -124,13 +131,28 @@ class PosixBackend(Backend):
         self._capacity = capacity_bytes
         self._fsync = fsync
         self._index: OrderedDict[BlockKey, int] = OrderedDict()  # Key -> payload size, LRU first.
-        self._used = self._reserved = 0  # Payload bytes indexed; bytes of writes in flight.
         self._lock = threading.Lock()
         self.dropped_writes = 0
         """Blocks whose write failed (disk full, read-only, directory gone) since start."""
         self._dropped_since_ok = 0
         self._last_failure_log = -_FAILURE_LOG_SECONDS
-        self._scan()
+        # Blocks other processes write count against this process's capacity too.
+        self._changes = ChangedSubdirs(self._dir)
+        self._changes.poll()  # Before the scan: later writes show as changes.
+        self._sync_seconds = index_refresh_seconds or DEFAULT_INDEX_REFRESH_SECONDS
+        self._next_sync = time.monotonic() + self._sync_seconds
+        self._sync_lock = threading.Lock()
+        self._next_recount = 0.0
+        found = list_blocks(self._dir, remove_stale_tmp=True)
+        with self._lock:
+            for _, key, size in found:
+                self._remember(key, size)
+        try:
+            self._ledger = Ledger(self._dir, lambda: totals_of(found or list_blocks(self._dir)))
+        except OSError as exc:
+            message = f"posix backend: cannot open the usage ledger in {str(root)!r}: {exc}"
+            raise ValueError(message) from exc
+        found = []  # Later recounts list the directory again.
 
     @classmethod
     def from_tier(cls, tier: TierConfig) -> Self:
@@ -205,10 +227,17 @@ class PosixBackend(Backend):
         Args:
             keys: The keys to remove.
         """
-        for key in keys:
-            with contextlib.suppress(OSError):
-                os.unlink(self._path(key))
-            self._forget(key)
+        with self._ledger.locked() as totals:
+            for key in keys:
+                self._forget(key)
+                freed = self._remove(key)
+                if freed is not None:
+                    totals.used_bytes -= freed
+                    totals.blocks -= 1
+
+    def close(self) -> None:
+        """Release this process's hold on the store's ledger."""
+        self._ledger.close()
 
     def key_index(self) -> KeyIndex | None:
         """Open an in-memory view of every block file in the directory, whoever wrote it.
@@ -222,9 +251,9 @@ class PosixBackend(Backend):
         return DirectoryIndex(self._dir, block_file_key, self._index_refresh_seconds)
 
     def usage(self) -> Usage:
-        """Return the payload bytes and blocks this process knows to be in the directory."""
-        with self._lock:
-            return Usage(self._used, self._capacity, len(self._index))
+        """Return the payload bytes and blocks in the directory, by the shared ledger."""
+        totals = self._ledger.read()
+        return Usage(totals.used_bytes, self._capacity, totals.blocks)
 
     def _path(self, key: BlockKey) -> Path:
         if len(key) > MAX_KEY_BYTES:
@@ -232,22 +261,49 @@ class PosixBackend(Backend):
         name = key.hex()
         return self._dir / name[:3] / f"{name}.blk"
 
-    def _scan(self) -> None:
-        """Index the blocks already on disk, oldest first, and remove stale ``.tmp`` files."""
-        found: list[tuple[float, BlockKey, int]] = []
-        now = time.time()
-        for entry in self._dir.glob("*/*"):
-            with contextlib.suppress(OSError, ValueError):
-                stat = entry.stat()
-                if entry.suffix == ".tmp" and is_stale_tmp(entry.name, stat.st_mtime, now):
-                    entry.unlink()
-                elif entry.suffix == ".blk" and stat.st_size >= TRAILER_BYTES:
-                    key = BlockKey(bytes.fromhex(entry.stem))
-                    if self._path(key) == entry:  # Else a stray file.
-                        found.append((stat.st_mtime, key, stat.st_size - TRAILER_BYTES))
-        with self._lock:
-            for _, key, size in sorted(found):
-                self._remember(key, size)
+    def _remove(self, key: BlockKey) -> int | None:
+        """Remove ``key``'s file; return its payload size, or None if it was not there.
+
+        The caller holds the ledger and subtracts what this returns.
+        """
+        path = self._path(key)
+        try:
+            size = os.stat(path).st_size - TRAILER_BYTES
+            os.unlink(path)
+        except OSError:
+            return None
+        return max(size, 0)
+
+    def _count_new_blocks_of_others(self) -> None:
+        """Index the block files other processes wrote lately, so that this process's
+        evictions keep the whole directory within capacity.
+
+        Runs at most once per refresh interval (and never more than a tenth of the time),
+        on one thread at a time. Blocks others removed stay counted until this process
+        fails to find them, which only makes it evict sooner.
+        """
+        if time.monotonic() < self._next_sync or not self._sync_lock.acquire(blocking=False):
+            return
+        try:
+            started = time.monotonic()
+            found: list[tuple[float, BlockKey, int]] = []
+            for subdir in self._changes.poll()[0]:
+                with contextlib.suppress(OSError):
+                    for name in os.listdir(self._dir / subdir):
+                        key = block_file_key(subdir, name)
+                        if key is None or key in self._index:
+                            continue
+                        with contextlib.suppress(OSError):
+                            stat = os.stat(self._dir / subdir / name)
+                            found.append((stat.st_mtime, key, stat.st_size - TRAILER_BYTES))
+            with self._lock:
+                for _, key, size in sorted(found):
+                    if key not in self._index and size >= 0:
+                        self._remember(key, size)
+            elapsed = time.monotonic() - started
+            self._next_sync = time.monotonic() + max(self._sync_seconds, 10 * elapsed)
+        finally:
+            self._sync_lock.release()
 
     def _stat(self, key: BlockKey) -> int | None:
         """Return the payload size of ``key``'s file, or None; mark the key used if it exists."""
@@ -301,7 +357,7 @@ class PosixBackend(Backend):
             trailer = parse_trailer(raw) if read == TRAILER_BYTES else None
             whole = trailer and trailer.key == key and trailer.length + TRAILER_BYTES == file_size
             return False if whole else None
-        if _transfer(os.preadv, fd, [*segments, memoryview(raw)]) != file_size:
+        if transfer(os.preadv, fd, [*segments, memoryview(raw)]) != file_size:
             return None  # Cut short while being read.
         trailer = parse_trailer(raw)
         if trailer is None or trailer.key != key or trailer.length != size:
@@ -314,40 +370,76 @@ class PosixBackend(Backend):
         size = segments_nbytes(segments)
         if size > self._capacity:
             return False
-        if self._stat(key) == size:
+        existing = self._stat(key)
+        if existing == size:
             return True
-        self._forget(key)  # In case a file of another size (a damaged one) is indexed.
-        victims = []
-        with self._lock:  # Evict known blocks, then reserve room for this one.
-            while self._index and self._used + self._reserved + size > self._capacity:
-                victims.append(self._index.popitem(last=False))
-                self._used -= victims[-1][1]
-            if self._used + self._reserved + size > self._capacity:
-                return False  # Other threads' writes in flight fill the capacity.
-            self._reserved += size
-        self.delete([victim for victim, _ in victims])
-        stored = self._write(key, segments, size)
+        if existing is not None:  # A block of another size under this key: damaged.
+            self.delete([key])
+        self._count_new_blocks_of_others()
+        if not self._reserve(size):
+            return False
+        published = self._write(key, segments, size)
+        if published is not True:  # Failed, or another process stored the key first.
+            self._ledger.add(-size, -1)
+        if published is False:
+            return False
         with self._lock:
-            self._reserved -= size
-            if stored:
-                self._remember(key, size)
-        return stored
+            self._remember(key, size)
+        return True
 
-    def _write(self, key: BlockKey, segments: Segments, size: int) -> bool:
+    def _reserve(self, size: int) -> bool:
+        """Count ``size`` more bytes in the ledger, evicting known blocks to make room.
+
+        Returns:
+            Whether the room was found (else the write is dropped).
+        """
+        with self._ledger.locked() as totals:
+            if not self._ledger.writable:
+                self._write_failed(OSError(errno.EROFS, os.strerror(errno.EROFS)))
+                return False
+            while totals.used_bytes + size > self._capacity:
+                with self._lock:
+                    if not self._index:
+                        break
+                    victim, _ = self._index.popitem(last=False)
+                freed = self._remove(victim)
+                if freed is not None:
+                    totals.used_bytes -= freed
+                    totals.blocks -= 1
+            now = time.monotonic()
+            if totals.used_bytes + size > self._capacity and now >= self._next_recount:
+                # Nothing left to evict, yet full: the ledger may count blocks that were
+                # removed behind its back, or writes of killed processes. Count the disk.
+                self._next_recount = now + _RECOUNT_SECONDS
+                fresh = totals_of(list_blocks(self._dir))
+                totals.used_bytes, totals.blocks = fresh.used_bytes, fresh.blocks
+            if totals.used_bytes + size > self._capacity:
+                return False
+            totals.used_bytes += size
+            totals.blocks += 1
+        return True
+
+    def _write(self, key: BlockKey, segments: Segments, size: int) -> bool | None:
+        """Write a temporary file and publish it under ``key``'s name.
+
+        Returns:
+            True once published; None if another process published the key first
+            (its block stays); False if the write failed.
+        """
         path = self._path(key)
-        tmp = path.with_name(_tmp_name(key, os.getpid()))
+        tmp = path.with_name(tmp_name(key, os.getpid()))
         trailer = memoryview(self._sealer.seal(key, segments).pack())
         try:
-            self._make_dirs(path.parent)
+            make_private_dirs(path.parent)  # The store may have been removed.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                if _transfer(os.pwritev, fd, [*segments, trailer]) != size + TRAILER_BYTES:
+                if transfer(os.pwritev, fd, [*segments, trailer]) != size + TRAILER_BYTES:
                     raise OSError(f"short write to {tmp}")
                 if self._fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            published = publish(tmp, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -361,16 +453,7 @@ class PosixBackend(Backend):
                 logger.warning(
                     "ucm: posix tier %s: writes resumed (%d dropped)", self._dir, resumed
                 )
-        return True
-
-    def _make_dirs(self, directory: Path) -> None:
-        """Create ``directory`` and any missing parent (the store may have been removed)."""
-        missing = []
-        while not directory.is_dir():
-            missing.append(directory)
-            directory = directory.parent
-        for path in reversed(missing):
-            path.mkdir(mode=0o700, exist_ok=True)
+        return published
 
     def _write_failed(self, exc: OSError) -> None:
         """Count a dropped write; log the first of a run of failures, then once a minute."""
@@ -391,92 +474,9 @@ class PosixBackend(Backend):
 
     def _remember(self, key: BlockKey, size: int) -> None:
         """Record ``key`` as most recently used; the caller holds the lock."""
-        if key not in self._index:
-            self._index[key] = size
-            self._used += size
+        self._index[key] = size
         self._index.move_to_end(key)
 
     def _forget(self, key: BlockKey) -> None:
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-
-
-def block_file_key(subdir: str, name: str) -> BlockKey | None:
-    """Return the key of the block file ``subdir/name``, or None for any other file."""
-    if not name.endswith(".blk") or not name.startswith(subdir):
-        return None
-    try:
-        key = bytes.fromhex(name[:-4])
-    except ValueError:
-        return None
-    return BlockKey(key) if len(key) <= MAX_KEY_BYTES and len(subdir) == 3 else None
-
-
-def _tmp_name(key: BlockKey, pid: int) -> str:
-    """Return a fresh temporary file name for ``key`` written by process ``pid`` here."""
-    return f"{key.hex()}.{_HOST_TAG}.{pid}.{secrets.token_hex(4)}.tmp"
-
-
-def is_stale_tmp(name: str, mtime: float, now: float) -> bool:
-    """Return whether a temporary file is old or was left by a dead process on this host."""
-    parts = name.split(".")
-    if now - mtime > _STALE_TMP_SECONDS:
-        return True
-    if len(parts) != 5 or parts[1] != _HOST_TAG:  # Another host's pid means nothing here.
-        return False
-    try:
-        os.kill(int(parts[2]), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, OverflowError):  # Alive under another user, or no pid.
-        pass
-    return False
-
-
-def read_secret(options: Mapping[str, object]) -> bytes | None:
-    """Return the signing secret named by a tier's ``secret_file`` or ``secret_env``.
-
-    The secret itself never appears in the configuration (which is logged).
-
-    Raises:
-        ValueError: Both options are given, or the file or variable is missing or empty.
-    """
-    file, env = options.get("secret_file"), options.get("secret_env")
-    if file is not None and env is not None:
-        raise ValueError("posix backend: give 'secret_file' or 'secret_env', not both")
-    if file is not None:
-        try:
-            secret = Path(str(file)).read_bytes().strip()
-        except OSError as exc:
-            raise ValueError(f"posix backend: secret_file {str(file)!r}: {exc}") from exc
-        where = f"secret_file {str(file)!r}"
-    elif env is not None:
-        secret = os.environ.get(str(env), "").encode()
-        where = f"secret_env: environment variable {env!r}"
-    else:
-        return None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"posix backend: {where} holds {len(secret)} bytes, fewer than 16")
-    return secret
-
-
-def _transfer(
-    call: Callable[[int, list[Buffer], int], int], fd: int, buffers: Sequence[Buffer]
-) -> int:
-    """Run a vectored read or write (``os.preadv``/``os.pwritev``) over ``buffers`` from
-    file offset 0, resuming after short transfers; return the bytes moved (fewer only
-    at end of file)."""
-    pending = [buffer.cast("B") for buffer in buffers if buffer.nbytes]
-    moved = 0
-    while pending:
-        count = call(fd, pending[:_IOV_MAX], moved)
-        if count <= 0:
-            break
-        moved += count
-        while pending and count >= pending[0].nbytes:
-            count -= pending.pop(0).nbytes
-        if count:
-            pending[0] = pending[0][count:]
-    return moved
+            self._index.pop(key, None)

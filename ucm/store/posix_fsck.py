@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucm.store.blockfile import FORMAT_VERSION, TRAILER_BYTES, Sealer, parse_trailer
-from ucm.store.posix import block_file_key, is_stale_tmp
+from ucm.store.posix_files import block_file_key, is_stale_tmp, list_blocks, totals_of
+from ucm.store.posix_ledger import LEDGER_NAME, USERS_NAME, Ledger
 
 
 @dataclass
@@ -81,6 +83,8 @@ def fsck(root: Path, *, secret: bytes | None = None, repair: bool = False) -> Fs
         path for path in Path(root).glob("v*") if path.name != f"v{FORMAT_VERSION}"
     )
     for path in _files(Path(root)):
+        if path.parent.name == f"v{FORMAT_VERSION}" and path.name in (LEDGER_NAME, USERS_NAME):
+            continue
         if path.suffix == ".tmp":
             with contextlib.suppress(OSError):
                 if is_stale_tmp(path.name, path.stat().st_mtime, now):
@@ -107,10 +111,15 @@ def fsck(root: Path, *, secret: bytes | None = None, repair: bool = False) -> Fs
             report.blocks += 1
             report.payload_bytes += payload.nbytes
     if repair:
-        for path in report.damaged + report.stale_tmp:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                report.removed += 1
+        with _ledger(Path(root)) as ledger, ledger.locked() as totals:
+            for path in report.damaged + report.stale_tmp:
+                with contextlib.suppress(FileNotFoundError):
+                    size = path.stat().st_size - TRAILER_BYTES
+                    path.unlink()
+                    report.removed += 1
+                    if path.suffix == ".blk" and size >= 0:
+                        totals.used_bytes -= size
+                        totals.blocks -= 1
     return report
 
 
@@ -159,14 +168,28 @@ def trim(root: Path, max_bytes: int) -> tuple[int, int]:
     blocks.sort()
     total = sum(size for _, _, size in blocks)
     removed = 0
-    for _, path, size in blocks:
-        if total <= max_bytes:
-            break
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed += 1
-        total -= size
+    with _ledger(Path(root)) as ledger, ledger.locked() as totals:
+        for _, path, size in blocks:
+            if total <= max_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+                totals.used_bytes -= size
+                totals.blocks -= 1
+            total -= size
     return removed, total
+
+
+@contextlib.contextmanager
+def _ledger(root: Path) -> Iterator[Ledger]:
+    """Open the store's usage ledger, to subtract what a repair or a trim removes."""
+    directory = root / f"v{FORMAT_VERSION}"
+    ledger = Ledger(directory, lambda: totals_of(list_blocks(directory)))
+    try:
+        yield ledger
+    finally:
+        ledger.close()
 
 
 def _files(root: Path) -> list[Path]:

@@ -34,6 +34,42 @@ filesystem timestamps are coarse (a few ms locally, a second on some NFS servers
 so a later change in the same tick would leave its time unchanged."""
 
 
+class ChangedSubdirs:
+    """Tells which subdirectories of a directory changed since it was last asked."""
+
+    def __init__(self, root: Path) -> None:
+        """Watch the subdirectories of ``root`` (nothing is listed until asked)."""
+        self._root = root
+        self._mtimes: dict[str, int] = {}
+
+    def poll(self) -> tuple[list[str], list[str]]:
+        """Return the subdirectories changed (or new) and those gone since the last poll.
+
+        A subdirectory modified within the last two seconds counts as changed at every
+        poll, since a later change in the same timestamp tick would not show.
+        """
+        now = time.time_ns()
+        try:
+            with os.scandir(self._root) as entries:
+                subdirs = [entry for entry in entries if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            subdirs = []  # The directory vanished: every block went with it.
+        changed, present = [], set()
+        for subdir in subdirs:
+            try:
+                mtime = subdir.stat(follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            present.add(subdir.name)
+            if self._mtimes.get(subdir.name) != mtime or now - mtime <= _RECENT_NS:
+                changed.append(subdir.name)
+                self._mtimes[subdir.name] = mtime
+        gone = list(self._mtimes.keys() - present)
+        for name in gone:
+            del self._mtimes[name]
+        return changed, gone
+
+
 class DirectoryIndex(KeyIndex):
     """The keys of a two-level block directory (``root/<subdir>/<file>``), in memory."""
 
@@ -59,7 +95,8 @@ class DirectoryIndex(KeyIndex):
         self._root = root
         self._parse = parse
         self._keys: set[BlockKey] = set()
-        self._listed: dict[str, tuple[int, frozenset[BlockKey]]] = {}  # Subdir -> mtime, keys.
+        self._listed: dict[str, frozenset[BlockKey]] = {}  # Subdir -> its keys.
+        self._changes = ChangedSubdirs(root)
         self._lock = threading.Lock()  # Serializes refreshes; lookups need no lock.
         self._stop = threading.Event()
         self.refresh()
@@ -86,26 +123,12 @@ class DirectoryIndex(KeyIndex):
     def refresh(self) -> None:
         """Bring the view up to date with the directory now (the thread does it regularly)."""
         with self._lock:
-            now = time.time_ns()
-            try:
-                with os.scandir(self._root) as entries:
-                    subdirs = [entry for entry in entries if entry.is_dir(follow_symlinks=False)]
-            except OSError:
-                subdirs = []  # The directory vanished: every block went with it.
-            present = set()
-            for subdir in subdirs:
-                try:
-                    mtime = subdir.stat(follow_symlinks=False).st_mtime_ns
-                except OSError:
-                    continue
-                present.add(subdir.name)
-                listed = self._listed.get(subdir.name)
-                if listed is not None and listed[0] == mtime and now - mtime > _RECENT_NS:
-                    continue
-                self._replace(subdir.name, mtime, self._list(subdir.name))
-            for name in self._listed.keys() - present:
-                self._replace(name, 0, frozenset())
-                del self._listed[name]
+            changed, gone = self._changes.poll()
+            for name in changed:
+                self._replace(name, self._list(name))
+            for name in gone:
+                self._replace(name, frozenset())
+                self._listed.pop(name, None)
 
     def close(self) -> None:
         """Stop the refresh thread."""
@@ -120,11 +143,11 @@ class DirectoryIndex(KeyIndex):
         parse = self._parse
         return frozenset(key for name in names if (key := parse(subdir, name)) is not None)
 
-    def _replace(self, subdir: str, mtime: int, keys: frozenset[BlockKey]) -> None:
-        old = self._listed.get(subdir, (0, frozenset()))[1]
+    def _replace(self, subdir: str, keys: frozenset[BlockKey]) -> None:
+        old = self._listed.get(subdir, frozenset())
         self._keys.difference_update(old - keys)
         self._keys.update(keys - old)
-        self._listed[subdir] = (mtime, keys)
+        self._listed[subdir] = keys
 
     def _refresh_until_closed(self, refresh_seconds: float) -> None:
         while not self._stop.wait(refresh_seconds):
