@@ -276,6 +276,26 @@ def test_damaged_blocks_are_recomputed_exactly(
     assert {path.name for path in blocks} <= {path.name for path in store.rglob("*.blk")}
 
 
+def test_blocks_computed_in_a_step_whose_load_failed_are_not_saved(
+    tiny_model: str, reference: Any, tmp_path: Path
+) -> None:
+    """The step that loads a damaged block also computes the blocks after it, from
+    garbage; vLLM recomputes them, but their first copies must not be stored."""
+    store = tmp_path / "store"
+    heads = [prompt[: 4 * 32 + 1] for prompt in WORKLOAD.cold]  # Store 4 blocks each.
+    run_engine(EngineSpec(tiny_model, [Phase(heads, 1)], 32, ucm("posix", store)), tmp_path / "w")
+    for path in store.rglob("*.blk"):
+        tear(path)  # Half the page stays unread: a bit flip might not change the output.
+    transfer = ucm("posix", store, kv_load_failure_policy="recompute")
+    phases = [Phase(WORKLOAD.warm, reset_before_each=True)] * 2
+    first, again = run_engine(EngineSpec(tiny_model, phases, 32, transfer), tmp_path / "reader")
+    assert "Recovered from KV load failure" in (tmp_path / "reader" / "engine.log").read_text()
+    assert first.outputs == reference(32)
+    expected = WORKLOAD.expected_loaded(32)  # The blocks saved in the first phase.
+    assert all(a >= e > 4 * 32 for a, e in zip(again.cached_tokens, expected, strict=True))
+    assert again.outputs == reference(32)
+
+
 def test_damaged_blocks_fail_requests_cleanly_by_default(
     tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:

@@ -37,6 +37,8 @@ class BlockSave:
     """The block's key."""
     tiers: tuple[int, ...]
     """Indices of the tiers to write."""
+    request_id: str = ""
+    """The request that computed the block."""
 
 
 @dataclass
@@ -49,6 +51,13 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     """Blocks to load before the forward pass."""
     saves: list[BlockSave] = field(default_factory=list)
     """Blocks to save once the forward pass has written them."""
+    failure_epoch: int = 0
+    """How many steps' failed loads the scheduler had been told of when it planned
+    this step: steps planned before it knew of a failure do not reset the requests
+    that computed on the failed blocks."""
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    """Per request with saves, the blocks its saved blocks were computed from: a save
+    is dropped when any of them failed to load."""
     async_loads: dict[str, list[BlockLoad]] = field(default_factory=dict)
     """Per request waiting for its KV, blocks to load in the background; the worker
     reports the request through ``get_finished`` once they are in place."""

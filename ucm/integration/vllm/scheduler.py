@@ -93,6 +93,7 @@ class UCMScheduler:
         self._just_finished: list[_RequestState] = []
         self._steps = itertools.count(1)
         self._failed: OrderedDict[BlockKey, float] = OrderedDict()  # Key -> offer again after.
+        self._failure_epoch = 0  # Steps whose failed loads were reported so far.
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -130,16 +131,21 @@ class UCMScheduler:
         just_finished, self._just_finished = self._just_finished, []
         if not invalid:
             return
+        self._failure_epoch += 1
         until = time.monotonic() + FAILED_BLOCK_SECONDS
         for state in [*self._requests.values(), *just_finished]:
-            for index, block_id in enumerate(state.block_ids[: len(state.chain.keys)]):
-                if block_id in invalid:
-                    key = state.chain.keys[index]
-                    self._failed[key] = until
-                    self._failed.move_to_end(key)
-                    for view in self._tiers:
-                        view.discard(key)
-                    state.num_saved_blocks = min(state.num_saved_blocks, index)
+            keys = state.chain.keys
+            failed = [i for i, b in enumerate(state.block_ids[: len(keys)]) if b in invalid]
+            if not failed:
+                continue
+            for index in failed:  # Shared views may list them until their next refresh.
+                self._failed[keys[index]] = until
+                self._failed.move_to_end(keys[index])
+            # The worker also dropped the saves of blocks computed on a failed one.
+            for key in keys[failed[0] : max(state.num_saved_blocks, failed[-1] + 1)]:
+                for view in self._tiers:
+                    view.discard(key)
+            state.num_saved_blocks = min(state.num_saved_blocks, failed[0])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -160,7 +166,7 @@ class UCMScheduler:
         """Turn this step's decisions into the worker half's instructions."""
         step = next(self._steps)
         self._just_finished = []  # The connector output of their last step was handled.
-        meta = UCMConnectorMetadata()
+        meta = UCMConnectorMetadata(failure_epoch=self._failure_epoch)
         loading = [
             (state, state.pending_load)
             for state in self._requests.values()
@@ -179,7 +185,7 @@ class UCMScheduler:
             used.append(state.chain.keys[: indices.stop])
             state.pending_load = None
         if self._save_enabled:
-            meta.saves.extend(self._plan_saves(scheduler_output, step, used))
+            meta.saves.extend(self._plan_saves(scheduler_output, step, used, meta.tables))
         # A chain is useless past its first missing block, so eviction must eat tails
         # first: touch each chain used this step from tail to head (head most recent).
         for keys in used:
@@ -241,7 +247,11 @@ class UCMScheduler:
         return loads
 
     def _plan_saves(
-        self, output: SchedulerOutput, step: int, used: list[list[BlockKey]]
+        self,
+        output: SchedulerOutput,
+        step: int,
+        used: list[list[BlockKey]],
+        tables: dict[str, list[int]],
     ) -> list[BlockSave]:
         progress: list[tuple[str, int]] = []
         for new in output.scheduled_new_reqs:
@@ -278,7 +288,8 @@ class UCMScheduler:
                 self._failed.pop(key, None)  # Recomputed: it may be offered again once saved.
                 tiers = tuple(t for t, view in enumerate(self._tiers) if view.admit(key, step))
                 if tiers:
-                    saves.append(BlockSave(state.block_ids[index], key, tiers))
+                    saves.append(BlockSave(state.block_ids[index], key, tiers, req_id))
+                    tables[req_id] = state.block_ids[:num_full]
             if len(keys) > state.num_saved_blocks:
                 used.append(keys)
             state.num_saved_blocks = max(state.num_saved_blocks, len(keys))

@@ -120,6 +120,8 @@ class UCMWorker:
         self._stage_saves = False
         self._gathered: set[str] = set()
         self._load_errors: set[int] = set()
+        # Blocks whose load failed, with the failure epoch of the step that found them.
+        self._failures: list[tuple[int, set[int]]] = []
         self._background: dict[str, _Reads] = {}  # Requests waiting for their loads.
         self._finished_loads: set[str] = set()  # Requests to report through get_finished.
         self._background_seen = False  # Whether a background load was started (logged once).
@@ -230,6 +232,7 @@ class UCMWorker:
         blocks are free for vLLM to reuse when this returns.
         """
         self._finish_load()
+        tainted = self._tainted_requests()
         saves = self._meta.saves
         if not saves or self._paged is None or self._staging is None:
             return
@@ -240,6 +243,8 @@ class UCMWorker:
         staged = row_payloads(rows[: len(saves)]) if rows is not None else None
         by_tier: dict[int, list[int]] = defaultdict(list)
         for index, save in enumerate(saves):
+            if save.request_id in tainted:
+                continue  # Computed on top of a block that failed to load: garbage.
             for tier in save.tiers:
                 by_tier[tier].append(index)
         background = [t for t in by_tier if self._tiers[t].capabilities.persistent]
@@ -257,6 +262,24 @@ class UCMWorker:
             return
         assert staged is not None
         self._write_behind(saves, rows, staged, {tier: by_tier[tier] for tier in background})
+
+    def _tainted_requests(self) -> set[str]:
+        """Return the requests whose saves this step must drop.
+
+        A request computed in a step where one of the blocks it attends to failed to
+        load produced garbage from that block on. vLLM recomputes it, but steps the
+        scheduler planned before it was told of the failure (the next one, under
+        asynchronous scheduling) still compute on the garbage: their saves of the
+        request are dropped too, until the scheduler's failure epoch moves on.
+        """
+        epoch = self._meta.failure_epoch
+        self._failures = [(e, ids) for e, ids in self._failures if e >= epoch]
+        if self._load_errors:  # This step's, not yet reported to vLLM.
+            self._failures.append((epoch, set(self._load_errors)))
+        if not self._failures:
+            return set()
+        failed = set().union(*(ids for _, ids in self._failures))
+        return {r for r, table in self._meta.tables.items() if not failed.isdisjoint(table)}
 
     def fail_pending_loads(self) -> None:
         """Report every load of this step as failed (after an unexpected error)."""

@@ -1,0 +1,24 @@
+"""The soak driver, on a short run: exact outputs, real hits, faults found, nothing leaked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ucm.testing.soak import main
+
+pytestmark = pytest.mark.engine
+
+
+def test_short_soak_is_exact_and_leaks_nothing(tmp_path: Path) -> None:
+    assert main([str(tmp_path), "--requests", "160"]) == 0
+    result = json.loads((tmp_path / "soak.json").read_text())
+    assert result["requests"] == 160
+    assert result["wrong_outputs"] == 0
+    assert result["prompt_tokens_cached"] > 0
+    assert result["corruptions_injected"] > 0
+    assert result["fds_after"] <= result["fds_before"] + 8  # Reader/writer pools may open some.
+    assert result["vllm_unfinished_requests"] == 0
+    assert result["ucm_tracked_requests"] == 0
