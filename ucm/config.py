@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from ucm.eviction import DEFAULT_POLICY, POLICIES
+
 CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 """The inline key whose value is the path of a YAML configuration file."""
 
@@ -27,7 +29,7 @@ _TOP_LEVEL_KEYS = frozenset(
 _DEFAULT_MAX_PENDING_WRITE_BYTES = 512 << 20
 _DEFAULT_IO_THREADS = 4
 _FLAGS = {"in_place": True, "async_load": False}  # Boolean settings and their defaults.
-_TIER_COMMON_KEYS = frozenset({"backend", "capacity"})
+_TIER_COMMON_KEYS = frozenset({"backend", "capacity", "eviction"})
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -61,6 +63,9 @@ class TierConfig:
     """Byte capacity of the tier; the backend evicts to stay within it."""
     options: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     """Backend-specific options, already checked against the backend's ``option_types``."""
+    eviction: str = DEFAULT_POLICY
+    """Eviction policy: ``lru`` (least recently used first) or ``s3fifo`` (resists
+    scans of blocks used once)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,9 @@ def _parse_tier(raw: object, key: str) -> TierConfig:
     if "capacity" not in raw:
         raise ConfigError(f"{key}.capacity: missing (e.g. '2GiB')")
     capacity = parse_size(raw["capacity"], f"{key}.capacity")
+    eviction = raw.get("eviction", DEFAULT_POLICY)
+    if eviction not in POLICIES:
+        raise ConfigError(f"{key}.eviction: expected one of {sorted(POLICIES)}, got {eviction!r}")
     options: dict[str, object] = {}
     for option, value in raw.items():
         if option in _TIER_COMMON_KEYS:
@@ -239,7 +247,9 @@ def _parse_tier(raw: object, key: str) -> TierConfig:
         options[option] = value
     if "path" in options:
         options["path"] = str(_writable_dir(str(options["path"]), f"{key}.path"))
-    return TierConfig(backend=name, capacity=capacity, options=MappingProxyType(options))
+    return TierConfig(
+        backend=name, capacity=capacity, eviction=eviction, options=MappingProxyType(options)
+    )
 
 
 def _writable_dir(value: str, key: str) -> Path:

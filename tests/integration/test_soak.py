@@ -12,8 +12,9 @@ from ucm.testing.soak import main
 pytestmark = pytest.mark.engine
 
 
-def test_short_soak_is_exact_and_leaks_nothing(tmp_path: Path) -> None:
-    assert main([str(tmp_path), "--requests", "160"]) == 0
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_short_soak_is_exact_and_leaks_nothing(eviction: str, tmp_path: Path) -> None:
+    assert main([str(tmp_path), "--requests", "160", "--eviction", eviction]) == 0
     result = json.loads((tmp_path / "soak.json").read_text())
     assert result["requests"] == 160
     assert result["wrong_outputs"] == 0

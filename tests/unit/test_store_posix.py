@@ -31,6 +31,11 @@ class TestPosixConformance(BackendConformance):
         return PosixBackend(tmp_path / "store", capacity_bytes)
 
 
+class TestPosixS3FIFOConformance(BackendConformance):
+    def make_backend(self, capacity_bytes: int, tmp_path: Path) -> Backend:
+        return PosixBackend(tmp_path / "store", capacity_bytes, eviction="s3fifo")
+
+
 def block_path(root: Path, index: int) -> Path:
     name = make_key(index).hex()
     return root / "v2" / name[:3] / f"{name}.blk"

@@ -19,11 +19,11 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from ucm.eviction import DEFAULT_POLICY, make_policy
 from ucm.store.base import (
     Backend,
     BlockKey,
@@ -93,6 +93,7 @@ class PosixBackend(Backend):
         index_refresh_seconds: float = DEFAULT_INDEX_REFRESH_SECONDS,
         verify: bool = True,
         secret: bytes | None = None,
+        eviction: str = DEFAULT_POLICY,
     ) -> None:
         """Open (creating if needed) a block directory and index the blocks already in it.
 
@@ -106,6 +107,7 @@ class PosixBackend(Backend):
                 it only the trailer is checked (a secret is always checked).
             secret: Sign every block with a MAC under this key and load only blocks
                 whose MAC verifies; None stores plain checksums.
+            eviction: The eviction policy's name (:data:`ucm.eviction.POLICIES`).
 
         Raises:
             ValueError: ``capacity_bytes`` or ``index_refresh_seconds`` is negative,
@@ -130,7 +132,8 @@ class PosixBackend(Backend):
             raise ValueError(f"posix backend: directory {str(root)!r} is not writable")
         self._capacity = capacity_bytes
         self._fsync = fsync
-        self._index: OrderedDict[BlockKey, int] = OrderedDict()  # Key -> payload size, LRU first.
+        self._sizes: dict[BlockKey, int] = {}  # Payload size of each block known here.
+        self._policy = make_policy(eviction)
         self._lock = threading.Lock()
         self.dropped_writes = 0
         """Blocks whose write failed (disk full, read-only, directory gone) since start."""
@@ -180,6 +183,7 @@ class PosixBackend(Backend):
             index_refresh_seconds=refresh,
             verify=options.get("verify") is not False,
             secret=read_secret(options),
+            eviction=tier.eviction,
         )
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -291,14 +295,14 @@ class PosixBackend(Backend):
                 with contextlib.suppress(OSError):
                     for name in os.listdir(self._dir / subdir):
                         key = block_file_key(subdir, name)
-                        if key is None or key in self._index:
+                        if key is None or key in self._sizes:
                             continue
                         with contextlib.suppress(OSError):
                             stat = os.stat(self._dir / subdir / name)
                             found.append((stat.st_mtime, key, stat.st_size - TRAILER_BYTES))
             with self._lock:
                 for _, key, size in sorted(found):
-                    if key not in self._index and size >= 0:
+                    if key not in self._sizes and size >= 0:
                         self._remember(key, size)
             elapsed = time.monotonic() - started
             self._next_sync = time.monotonic() + max(self._sync_seconds, 10 * elapsed)
@@ -399,9 +403,12 @@ class PosixBackend(Backend):
                 return False
             while totals.used_bytes + size > self._capacity:
                 with self._lock:
-                    if not self._index:
+                    if not self._sizes:
                         break
-                    victim, _ = self._index.popitem(last=False)
+                    victim = self._policy.evict()
+                    if victim is None:
+                        break
+                    del self._sizes[victim]
                 freed = self._remove(victim)
                 if freed is not None:
                     totals.used_bytes -= freed
@@ -473,10 +480,14 @@ class PosixBackend(Backend):
         )
 
     def _remember(self, key: BlockKey, size: int) -> None:
-        """Record ``key`` as most recently used; the caller holds the lock."""
-        self._index[key] = size
-        self._index.move_to_end(key)
+        """Record a block written, found or read; the caller holds the lock."""
+        if key in self._sizes:
+            self._policy.access(key)
+        else:
+            self._policy.insert(key)
+        self._sizes[key] = size
 
     def _forget(self, key: BlockKey) -> None:
         with self._lock:
-            self._index.pop(key, None)
+            self._sizes.pop(key, None)
+            self._policy.remove(key)

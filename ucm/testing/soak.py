@@ -10,6 +10,8 @@ byte in a random stored block now and then. It prints and writes ``soak.json``:
 requests, wrong outputs, prompt tokens served by ucm, corruptions injected, load
 failures vLLM recovered from, resident memory over the run, open file descriptors
 before and after, and whether vLLM's and ucm's schedulers ended empty.
+``--eviction s3fifo`` selects the tiers' eviction policy; ``--without-ucm`` runs the
+same requests with no connector, to compare memory figures against.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ucm.eviction import DEFAULT_POLICY, POLICIES
 from ucm.testing.engine import ENGINE_ENV, EngineSpec, Phase, run_engine
 from ucm.testing.model import TINY, build_model, make_prompt_token_ids
 
@@ -47,11 +50,11 @@ def prompt_pool() -> list[list[int]]:
     return pool
 
 
-def transfer_config(store: Path) -> dict[str, Any]:
+def transfer_config(store: Path, eviction: str) -> dict[str, Any]:
     """ucm with both tiers far smaller than the pool's KV (about 9 MiB on the tiny model)."""
     tiers = [
-        {"backend": "dram", "capacity": "2MiB"},
-        {"backend": "posix", "path": str(store), "capacity": "4MiB"},
+        {"backend": "dram", "capacity": "2MiB", "eviction": eviction},
+        {"backend": "posix", "path": str(store), "capacity": "4MiB", "eviction": eviction},
     ]
     return {
         "kv_connector": "UCMConnector",
@@ -61,9 +64,7 @@ def transfer_config(store: Path) -> dict[str, Any]:
     }
 
 
-def serve(
-    workdir: Path, model: str, requests: int, seed: int, corrupt_every: int
-) -> dict[str, Any]:
+def serve(workdir: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak in this process (a fresh one: see :func:`main`)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -80,10 +81,14 @@ def serve(
         max_model_len=1024,
         block_size=32,
         kv_cache_memory_bytes=16 << 20,
-        kv_transfer_config=KVTransferConfig(**transfer_config(store)),
+        kv_transfer_config=(
+            None if args.without_ucm else KVTransferConfig(**transfer_config(store, args.eviction))
+        ),
     )
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    rng = random.Random(seed)
+    rng = random.Random(args.seed)
+    requests = args.requests
+    corrupt_every = 0 if args.without_ucm else args.corrupt_every
     fds_before = len(os.listdir("/proc/self/fd"))
     rss: list[int] = []
     wrong = cached = corrupted = done = 0
@@ -114,8 +119,7 @@ def serve(
         "prompt_tokens_cached": cached,
         "corruptions_injected": corrupted,
         "seconds": round(elapsed, 1),
-        "rss_mib_first_quarter_max": _mib(max(rss[: max(len(rss) // 4, 1)])),
-        "rss_mib_last_quarter_max": _mib(max(rss[-max(len(rss) // 4, 1) :])),
+        "rss_mib_max_per_quarter": [_mib(max(part)) for part in _quarters(rss)],
         "fds_before": fds_before,
         "fds_after": len(os.listdir("/proc/self/fd")),
         "vllm_unfinished_requests": engine.get_num_unfinished_requests(),
@@ -155,6 +159,12 @@ def _rss_bytes() -> int:
     return 0
 
 
+def _quarters(samples: list[int]) -> list[list[int]]:
+    """Split the samples into four consecutive parts (fewer if there are fewer samples)."""
+    bounds = [len(samples) * i // 4 for i in range(5)]
+    return [samples[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
 def _mib(nbytes: int) -> float:
     return round(nbytes / 2**20, 1)
 
@@ -168,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--corrupt-every", type=int, default=CORRUPT_EVERY, help="batches per fault (0: none)"
     )
+    parser.add_argument("--eviction", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    parser.add_argument(
+        "--without-ucm", action="store_true", help="the same run with no connector (a control)"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     workdir = args.workdir.absolute()
     if args.serve:
-        result = serve(workdir, args.serve, args.requests, args.seed, args.corrupt_every)
+        result = serve(workdir, args.serve, args)
         (workdir / "soak.json").write_text(json.dumps(result, indent=2))
         return 0
     workdir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **ENGINE_ENV}
     command = [sys.executable, "-m", "ucm.testing.soak", str(workdir), "--serve", model]
     command += ["--requests", str(args.requests), "--seed", str(args.seed)]
-    command += ["--corrupt-every", str(args.corrupt_every)]
+    command += ["--corrupt-every", str(args.corrupt_every), "--eviction", args.eviction]
+    command += ["--without-ucm"] if args.without_ucm else []
     with (workdir / "soak.log").open("w") as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from ucm.eviction import EvictionPolicy, LRUPolicy
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey
 
@@ -105,48 +106,48 @@ class TierView(abc.ABC):
 
 
 class MirroredTier(TierView):
-    """An exact LRU mirror of a tier that only this engine's workers write.
+    """An exact mirror of a tier that only this engine's workers write.
 
-    The scheduler decides every eviction; a block used in the current step is never
-    evicted, so a step that needs more room than that leaves new blocks out instead.
+    The scheduler decides every eviction, by the tier's policy; a block used in the
+    current step is never evicted, so a step that needs more room than that leaves
+    new blocks out instead.
     """
 
     in_memory = True
     io_bound = False
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, policy: EvictionPolicy | None = None) -> None:
         self._capacity = capacity_blocks
-        self._last_used: OrderedDict[BlockKey, int] = OrderedDict()
+        self._policy = policy if policy is not None else LRUPolicy()
         self._evicted: list[BlockKey] = []
+        self._full_step = -1  # The last step in which no block could be evicted.
 
     def contains(self, key: BlockKey) -> bool:
         """Return whether the block is in the tier."""
-        return key in self._last_used
+        return key in self._policy
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Return whether each block is in the tier."""
-        return list(map(self._last_used.__contains__, keys))
+        return list(map(self._policy.__contains__, keys))
 
     def touch(self, key: BlockKey, step: int) -> None:
-        """Mark the block most recently used and pin it for ``step``."""
-        if key in self._last_used:
-            self._last_used[key] = step
-            self._last_used.move_to_end(key)
+        """Record a read of the block and pin it for ``step``."""
+        self._policy.access(key, step)
 
     def admit(self, key: BlockKey, step: int) -> bool:
-        """Make room for the block by evicting least recently used ones, if possible."""
-        if key in self._last_used:
-            self.touch(key, step)
+        """Make room for the block by evicting others, if possible."""
+        if key in self._policy:
+            self._policy.access(key, step)
             return False
-        if self._capacity <= 0:
+        if self._capacity <= 0 or self._full_step == step:
             return False
-        while len(self._last_used) >= self._capacity:
-            oldest, last_step = next(iter(self._last_used.items()))
-            if last_step >= step:
+        while len(self._policy) >= self._capacity:
+            victim = self._policy.evict(keep_from=step)
+            if victim is None:
+                self._full_step = step  # Everything is pinned until the next step.
                 return False
-            del self._last_used[oldest]
-            self._evicted.append(oldest)
-        self._last_used[key] = step
+            self._evicted.append(victim)
+        self._policy.insert(key, step)
         return True
 
     def take_evictions(self) -> list[BlockKey]:
@@ -156,7 +157,8 @@ class MirroredTier(TierView):
 
     def discard(self, key: BlockKey) -> None:
         """Evict a block whose load failed, so that it can be saved again."""
-        if self._last_used.pop(key, None) is not None:
+        if key in self._policy:
+            self._policy.remove(key)
             self._evicted.append(key)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from ucm.config import UCMConfig
+from ucm.eviction import make_policy
 from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
 from ucm.integration.vllm.model_info import estimated_block_bytes, key_space, num_shards
 from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView, stored_prefix
@@ -85,7 +86,8 @@ class UCMScheduler:
             if cls.capabilities.shared:
                 self._tiers.append(SharedTier(cls.from_tier(tier), num_shards(vllm_config)))
             else:
-                self._tiers.append(MirroredTier(tier.capacity // block_bytes))
+                policy = make_policy(tier.eviction)
+                self._tiers.append(MirroredTier(tier.capacity // block_bytes, policy))
         self._async_load = config.async_load
         self._requests: dict[str, _RequestState] = {}
         # Requests finished since the last connector output: vLLM fails a request for

@@ -19,6 +19,7 @@ or eviction. Per step:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
@@ -506,7 +507,7 @@ class UCMWorker:
         if estimate != block_bytes:
             logger.warning("ucm: block size estimate %d != measured %d", estimate, block_bytes)
         capacity = max(tier.capacity // estimate, 0) * block_bytes
-        return cls.from_tier(TierConfig(tier.backend, max(capacity, 1), tier.options))
+        return cls.from_tier(dataclasses.replace(tier, capacity=max(capacity, 1)))
 
     def _shard_key(self, key: BlockKey) -> BlockKey:
         return shard_key(key, self._shard, self._num_shards)
