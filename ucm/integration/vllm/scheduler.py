@@ -282,6 +282,7 @@ class UCMScheduler:
             if num_full <= state.num_saved_blocks:
                 continue  # No block became full this step (most decode steps).
             keys = state.chain.extend(tokens, num_full)[:num_full]
+            first_save = len(saves)
             for index in range(state.num_saved_blocks, num_full):
                 key = keys[index]
                 if key in planned:
@@ -291,7 +292,8 @@ class UCMScheduler:
                 tiers = tuple(t for t, view in enumerate(self._tiers) if view.admit(key, step))
                 if tiers:
                     saves.append(BlockSave(state.block_ids[index], key, tiers, req_id))
-                    tables[req_id] = state.block_ids[:num_full]
+            if len(saves) > first_save:
+                tables[req_id] = state.block_ids[:num_full]
             if len(keys) > state.num_saved_blocks:
                 used.append(keys)
             state.num_saved_blocks = max(state.num_saved_blocks, len(keys))
