@@ -130,7 +130,8 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def insert(self, key: BlockKey, stamp: int = 0) -> None:
         """Add ``key`` to the small queue, or to the main one if it is a ghost."""
-        if self._ghosts.pop(key, 0) is None:
+        if key in self._ghosts:
+            del self._ghosts[key]
             self._main[key] = stamp
         else:
             self._small[key] = stamp
