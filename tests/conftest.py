@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from ucm.testing.servers import ServerUnavailableError, ValkeyServer
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +39,23 @@ def small_filesystem(tmp_path: Path) -> Iterator[Path]:
 def remount(mount: Path, mode: str) -> None:
     """Remount a :func:`small_filesystem` read-only (``ro``) or writable (``rw``)."""
     subprocess.run(["mount", "-o", f"remount,{mode}", str(mount)], check=True)
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[ValkeyServer]:
+    """A Valkey server on loopback for the whole session (a 1 GB cache).
+
+    Skipped, with the reason, where no server binary is installed, except under CI,
+    whose set-up installs one: there a missing server fails the test.
+    """
+    server = ValkeyServer()
+    try:
+        server.start()
+    except ServerUnavailableError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.close()

@@ -116,13 +116,15 @@ def run_fsck(path: Path, repair: bool, secret_file: str | None, secret_env: str 
     Returns:
         0 when the store is clean, 1 when problems were repaired, 2 when problems remain.
     """
-    from ucm.store.posix_files import read_secret
+    from ucm.store.blockfile import read_secret
     from ucm.store.posix_fsck import fsck
 
     options = {"secret_file": secret_file, "secret_env": secret_env}
     try:
         report = fsck(
-            path, secret=read_secret({k: v for k, v in options.items() if v}), repair=repair
+            path,
+            secret=read_secret({k: v for k, v in options.items() if v}, "posix"),
+            repair=repair,
         )
     except ValueError as exc:
         print(f"ucm fsck: {exc}")

@@ -245,6 +245,8 @@ def _parse_tier(raw: object, key: str) -> TierConfig:
         if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
             raise ConfigError(f"{key}.{option}: expected {expected.__name__}, got {value!r}")
         options[option] = value
+    for option in sorted(cls.required_options - set(options)):
+        raise ConfigError(f"{key}.{option}: missing (required by backend {name!r})")
     if "path" in options:
         options["path"] = str(_writable_dir(str(options["path"]), f"{key}.path"))
     return TierConfig(

@@ -1,13 +1,18 @@
-"""Fixtures of the integration tests: the tiny model, built once per session, offline."""
+"""Fixtures of the integration tests: the tiny model (built once per session, offline)
+and the reference outputs of the standard workload without any connector."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.integration.workload import documents_workload
+from ucm.testing.engine import EngineSpec, Phase, run_engine
 from ucm.testing.model import TINY, build_model
+
+WORKLOAD = documents_workload()
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +22,20 @@ def tiny_model(models_root: Path) -> Iterator[str]:
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("TRANSFORMERS_OFFLINE", "1")
         yield str(build_model(TINY, models_root))
+
+
+@pytest.fixture(scope="session")
+def reference(
+    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[int], list[list[int]]]:
+    """Outputs of the warm prompts without any connector, per block size."""
+    cache: dict[int, list[list[int]]] = {}
+
+    def outputs(block_size: int) -> list[list[int]]:
+        if block_size not in cache:
+            spec = EngineSpec(tiny_model, [Phase(WORKLOAD.warm)], block_size=block_size)
+            workdir = tmp_path_factory.mktemp(f"reference-{block_size}")
+            cache[block_size] = run_engine(spec, workdir)[0].outputs
+        return cache[block_size]
+
+    return outputs

@@ -25,23 +25,6 @@ pytestmark = pytest.mark.engine
 WORKLOAD = documents_workload()
 
 
-@pytest.fixture(scope="session")
-def reference(
-    tiny_model: str, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[int], list[list[int]]]:
-    """Outputs of the warm prompts without any connector, per block size."""
-    cache: dict[int, list[list[int]]] = {}
-
-    def outputs(block_size: int) -> list[list[int]]:
-        if block_size not in cache:
-            spec = EngineSpec(tiny_model, [Phase(WORKLOAD.warm)], block_size=block_size)
-            workdir = tmp_path_factory.mktemp(f"reference-{block_size}")
-            cache[block_size] = run_engine(spec, workdir)[0].outputs
-        return cache[block_size]
-
-    return outputs
-
-
 def tiers(kind: str, store: Path) -> list[dict[str, Any]]:
     chosen = {
         "dram": [{"backend": "dram", "capacity": "64MiB"}],

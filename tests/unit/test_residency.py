@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ucm.integration.vllm import residency
 from ucm.integration.vllm.residency import MirroredTier, TierView, stored_prefix
 from ucm.store.base import BlockKey
 
@@ -12,11 +16,16 @@ KEYS = [BlockKey(bytes([index]) * 32) for index in range(12)]
 
 
 class SlowTier(TierView):
-    """A tier that needs I/O per key; it counts the keys it was asked about."""
+    """A tier that needs I/O; it records the keys it was asked about, per round trip."""
 
     def __init__(self, stored: set[BlockKey]) -> None:
         self.stored = stored
         self.asked: list[BlockKey] = []
+        self.round_trips = 0
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self.round_trips += 1
+        return [self.contains(key) for key in keys]
 
     def contains(self, key: BlockKey) -> bool:
         self.asked.append(key)
@@ -46,20 +55,35 @@ def naive(keys: list[BlockKey], tiers: list[set[BlockKey]]) -> list[int]:
 stored_sets = st.sets(st.sampled_from(KEYS))
 
 
+CHUNK = 4  # Blocks per round trip to a slow tier, small enough to matter for 12 keys.
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(residency, "SLOW_LOOKUP_CHUNK", CHUNK)
+
+
 @given(st.lists(st.tuples(stored_sets, st.booleans()), min_size=1, max_size=3))
 def test_stored_prefix_matches_the_definition(tiers: list[tuple[set[BlockKey], bool]]) -> None:
     views: list[TierView] = [mirror(keys) if fast else SlowTier(keys) for keys, fast in tiers]
     expected = naive(KEYS, [keys for keys, _ in tiers])
     assert stored_prefix(KEYS, views) == expected
-    for view in views:
-        if isinstance(view, SlowTier):  # Never asked beyond the first block nobody holds.
-            assert all(KEYS.index(key) <= len(expected) for key in view.asked)
+    # Slow tiers are asked once per chunk, never beyond the chunk of the first block
+    # nobody holds, and only about blocks that no faster tier holds.
+    chunks_needed = min(len(expected) // CHUNK + 1, -(-len(KEYS) // CHUNK))
+    for index, view in enumerate(views):
+        if isinstance(view, SlowTier):
+            assert view.round_trips <= chunks_needed
+            assert all(KEYS.index(key) < chunks_needed * CHUNK for key in view.asked)
+            faster = set().union(*(keys for keys, _ in tiers[:index]))
+            assert not faster.intersection(view.asked)
 
 
 def test_slow_tiers_are_asked_only_about_in_memory_misses() -> None:
     slow = SlowTier(set(KEYS))
     assert stored_prefix(KEYS, [mirror(set(KEYS[:8])), slow]) == [0] * 8 + [1] * 4
     assert slow.asked == KEYS[8:]
+    assert slow.round_trips == 1
 
 
 def test_mirror_never_evicts_blocks_used_in_the_current_step() -> None:

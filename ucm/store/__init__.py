@@ -3,7 +3,8 @@
 A backend is one storage tier mapping :data:`BlockKey` digests to payload bytes.
 Backends are looked up by name with :func:`backend_class` and imported only then:
 ``dram`` (:mod:`ucm.store.dram`) keeps blocks in process memory, ``posix``
-(:mod:`ucm.store.posix`) in a directory shared by many processes, and
+(:mod:`ucm.store.posix`) in a directory shared by many processes, ``redis``
+(:mod:`ucm.store.redis`) on a Redis or Valkey server shared by many machines, and
 :mod:`ucm.store.tiered` stacks several tiers. Third-party backends register with
 :func:`register_backend` or the ``ucm.backends`` entry-point group.
 """

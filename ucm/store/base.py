@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NewType
 
+import numpy
+
 if TYPE_CHECKING:
     from typing import Self
 
@@ -31,9 +33,31 @@ Segments = Sequence[Buffer]
 """One key's payload as caller-owned buffers, in order: the payload is their concatenation."""
 
 
+_GIL_FREE_COPY_BYTES = 64 << 10  # Copies this large run without the GIL (through numpy).
+
+
 def segments_nbytes(segments: Segments) -> int:
     """Return the payload size that ``segments`` hold together."""
     return sum(segment.nbytes for segment in segments)
+
+
+def copy_bytes(dst: Buffer, src: Buffer) -> None:
+    """Copy ``src`` into ``dst`` (byte views of equal size).
+
+    Large copies release the GIL, so that several threads copy in parallel.
+    """
+    if dst.nbytes >= _GIL_FREE_COPY_BYTES:
+        numpy.copyto(numpy.frombuffer(dst, numpy.uint8), numpy.frombuffer(src, numpy.uint8))
+    else:
+        dst[:] = src
+
+
+def scatter(source: Buffer, segments: Segments) -> None:
+    """Copy ``source`` into ``segments``, which together hold exactly its size."""
+    offset = 0
+    for segment in segments:
+        copy_bytes(segment.cast("B"), source[offset : offset + segment.nbytes])
+        offset += segment.nbytes
 
 
 @dataclass(frozen=True)
@@ -46,6 +70,12 @@ class Capabilities:
     """Several processes may read and write the same store at once."""
     supports_delete: bool = True
     """``delete`` removes blocks (otherwise it is a no-op)."""
+    bounded: bool = True
+    """The backend itself keeps its payload within ``capacity``, evicting by its policy.
+    False where a server bounds the store instead (a Redis server's ``maxmemory``)."""
+    lossy: bool = False
+    """Blocks may vanish at any moment, e.g. evicted by a cache server: a lookup hit is
+    likely, not certain, and a load may miss."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +165,8 @@ class Backend(abc.ABC):
     option_types: ClassVar[Mapping[str, type]] = {}
     """Tier settings this backend accepts beyond ``backend`` and ``capacity``, with their
     types; the config parser rejects any other key."""
+    required_options: ClassVar[frozenset[str]] = frozenset()
+    """Keys of ``option_types`` that every tier of this backend must set."""
 
     @classmethod
     @abc.abstractmethod

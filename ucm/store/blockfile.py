@@ -14,9 +14,11 @@ keeps the payload at offset 0, where aligned (``O_DIRECT``) transfers can reach 
 
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import xxhash
 from blake3 import blake3
@@ -140,3 +142,34 @@ class Sealer:
             hasher.update(segment)
         hasher.update(trailer.unsigned_part())
         return hasher.digest()[:DIGEST_BYTES]
+
+
+def read_secret(options: Mapping[str, object], backend: str) -> bytes | None:
+    """Return the signing secret named by a tier's ``secret_file`` or ``secret_env``.
+
+    The secret itself never appears in the configuration (which is logged).
+
+    Args:
+        options: The tier's options.
+        backend: The backend's name, for error messages.
+
+    Raises:
+        ValueError: Both options are given, or the file or variable is missing or empty.
+    """
+    file, env = options.get("secret_file"), options.get("secret_env")
+    if file is not None and env is not None:
+        raise ValueError(f"{backend} backend: give 'secret_file' or 'secret_env', not both")
+    if file is not None:
+        try:
+            secret = Path(str(file)).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"{backend} backend: secret_file {str(file)!r}: {exc}") from exc
+        where = f"secret_file {str(file)!r}"
+    elif env is not None:
+        secret = os.environ.get(str(env), "").encode()
+        where = f"secret_env: environment variable {env!r}"
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{backend} backend: {where} holds {len(secret)} bytes, fewer than 16")
+    return secret

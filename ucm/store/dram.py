@@ -12,8 +12,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-import numpy
-
 from ucm.store.base import (
     Backend,
     BlockKey,
@@ -22,6 +20,8 @@ from ucm.store.base import (
     Segments,
     Task,
     Usage,
+    copy_bytes,
+    scatter,
     segments_nbytes,
 )
 
@@ -100,10 +100,7 @@ class DramBackend(Backend):
                 self._blocks.move_to_end(key)
                 self._reading[id(block)] += 1  # Not reused for another block meanwhile.
             try:
-                source, offset = memoryview(block), 0
-                for segment in segments:
-                    _copy(segment.cast("B"), source[offset : offset + segment.nbytes])
-                    offset += segment.nbytes
+                scatter(memoryview(block), segments)
             finally:
                 with self._lock:
                     self._reading[id(block)] -= 1
@@ -165,7 +162,7 @@ class DramBackend(Backend):
             self._used += size  # Reserved now, so concurrent dumps stay within capacity.
         target, offset = memoryview(block), 0
         for segment in segments:  # Copied outside the lock; published under it.
-            _copy(target[offset : offset + segment.nbytes], segment.cast("B"))
+            copy_bytes(target[offset : offset + segment.nbytes], segment.cast("B"))
             offset += segment.nbytes
         with self._lock:
             if key in self._blocks:  # Another thread stored it meanwhile.
@@ -215,15 +212,3 @@ class DramBackend(Backend):
                 return False
             self._blocks.move_to_end(key)
             return True
-
-
-_GIL_FREE_COPY_BYTES = 64 << 10  # Copies this large run without the GIL (through numpy).
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """Copy ``src`` into ``dst`` (equal byte views); large copies release the GIL so
-    that several reader threads copy in parallel."""
-    if dst.nbytes >= _GIL_FREE_COPY_BYTES:
-        numpy.copyto(numpy.frombuffer(dst, numpy.uint8), numpy.frombuffer(src, numpy.uint8))
-    else:
-        dst[:] = src

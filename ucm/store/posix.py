@@ -41,12 +41,12 @@ from ucm.store.blockfile import (
     TRAILER_BYTES,
     Sealer,
     parse_trailer,
+    read_secret,
 )
 from ucm.store.posix_files import (
     block_file_key,
     list_blocks,
     publish,
-    read_secret,
     tmp_name,
     totals_of,
     transfer,
@@ -83,6 +83,7 @@ class PosixBackend(Backend):
         "secret_file": str,
         "secret_env": str,
     }
+    required_options: ClassVar[frozenset[str]] = frozenset({"path"})
 
     def __init__(
         self,
@@ -98,7 +99,7 @@ class PosixBackend(Backend):
         """Open (creating if needed) a block directory and index the blocks already in it.
 
         Args:
-            root: The directory; blocks go under ``root/v1``.
+            root: The directory; blocks go under ``root/v2``.
             capacity_bytes: The most payload bytes this process keeps in the directory.
             fsync: Flush each block's data to stable storage before renaming it into place.
             index_refresh_seconds: Seconds between refreshes of the in-memory view that
@@ -182,7 +183,7 @@ class PosixBackend(Backend):
             fsync=options.get("fsync") is True,
             index_refresh_seconds=refresh,
             verify=options.get("verify") is not False,
-            secret=read_secret(options),
+            secret=read_secret(options, "posix"),
             eviction=tier.eviction,
         )
 

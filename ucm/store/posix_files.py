@@ -15,11 +15,11 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ucm.store.base import BlockKey, Buffer
-from ucm.store.blockfile import MAX_KEY_BYTES, MIN_SECRET_BYTES, TRAILER_BYTES
+from ucm.store.blockfile import MAX_KEY_BYTES, TRAILER_BYTES
 from ucm.store.posix_ledger import Totals
 
 BlockEntry = tuple[float, BlockKey, int]
@@ -113,33 +113,6 @@ def is_stale_tmp(name: str, mtime: float, now: float) -> bool:
     except (OSError, ValueError, OverflowError):  # Alive under another user, or no pid.
         pass
     return False
-
-
-def read_secret(options: Mapping[str, object]) -> bytes | None:
-    """Return the signing secret named by a tier's ``secret_file`` or ``secret_env``.
-
-    The secret itself never appears in the configuration (which is logged).
-
-    Raises:
-        ValueError: Both options are given, or the file or variable is missing or empty.
-    """
-    file, env = options.get("secret_file"), options.get("secret_env")
-    if file is not None and env is not None:
-        raise ValueError("posix backend: give 'secret_file' or 'secret_env', not both")
-    if file is not None:
-        try:
-            secret = Path(str(file)).read_bytes().strip()
-        except OSError as exc:
-            raise ValueError(f"posix backend: secret_file {str(file)!r}: {exc}") from exc
-        where = f"secret_file {str(file)!r}"
-    elif env is not None:
-        secret = os.environ.get(str(env), "").encode()
-        where = f"secret_env: environment variable {env!r}"
-    else:
-        return None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"posix backend: {where} holds {len(secret)} bytes, fewer than 16")
-    return secret
 
 
 def transfer(

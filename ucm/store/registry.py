@@ -2,7 +2,7 @@
 
 Names map to ``"module:Class"`` strings that are imported only when the backend is
 first asked for, so that listing or validating backends never imports their
-dependencies. Built-in backends are ``dram`` and ``posix``; third-party packages add
+dependencies. Built-in backends are ``dram``, ``posix`` and ``redis``; third-party packages add
 theirs with :func:`register_backend` or through the ``ucm.backends`` entry-point group::
 
     [project.entry-points."ucm.backends"]
@@ -22,6 +22,7 @@ ENTRY_POINT_GROUP = "ucm.backends"
 _registry: dict[str, str | type[Backend]] = {
     "dram": "ucm.store.dram:DramBackend",
     "posix": "ucm.store.posix:PosixBackend",
+    "redis": "ucm.store.redis:RedisBackend",
 }
 
 

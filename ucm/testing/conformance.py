@@ -168,6 +168,8 @@ class BackendConformance:
         size, fits = 1000, 10
         keys = [make_key(i) for i in range(4 * fits)]
         with closing(self.make_backend(fits * size, tmp_path)) as backend:
+            if not backend.capabilities.bounded:
+                pytest.skip("a server bounds this backend's store, not the backend")
             for i, key in enumerate(keys):
                 assert backend.dump([key], views([make_payload(i, size)])).wait() == [True]
                 usage = backend.usage()
@@ -179,6 +181,8 @@ class BackendConformance:
         size = 1000
         keys = [make_key(i) for i in range(5)]
         with closing(self.make_backend(4 * size, tmp_path)) as backend:
+            if not backend.capabilities.bounded:
+                pytest.skip("a server bounds this backend's store, not the backend")
             backend.dump(keys[:4], views([make_payload(i, size) for i in range(4)])).wait()
             buffers = [make_buffer(size)]
             assert backend.load([keys[0]], views(buffers)).wait() == [True]
@@ -197,7 +201,8 @@ class BackendConformance:
             before = backend.usage()
             assert backend.dump([big], views([make_payload(1, 1001)])).wait() == [False]
             assert backend.lookup([small, big]) == [True, False]
-            assert backend.usage() == before
+            if self.exact_usage:
+                assert backend.usage() == before
 
     def test_concurrent_dumps_and_loads(self, tmp_path: Path) -> None:
         threads, per_thread = 4, 25

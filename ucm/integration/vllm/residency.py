@@ -22,6 +22,9 @@ UNCONFIRMED_SECONDS = 10.0
 """How long a block this engine saved to a shared tier is checked in the store itself
 while the tier's in-memory view does not show it yet."""
 
+SLOW_LOOKUP_CHUNK = 64
+"""Blocks per batch asked of a tier whose lookups cost I/O."""
+
 _MISS = 1 << 30
 """Tier index of a block no tier holds: larger than any real index, so that a real tier
 always compares as faster."""
@@ -31,7 +34,8 @@ def stored_prefix(keys: Sequence[BlockKey], tiers: Sequence[TierView]) -> list[i
     """Find the longest prefix of blocks that the tiers hold.
 
     In-memory tiers answer for all keys at once; tiers that need I/O are asked only
-    about blocks the in-memory tiers miss, in order, stopping at the first miss.
+    about blocks the faster tiers miss, one batch of :data:`SLOW_LOOKUP_CHUNK` blocks
+    at a time (one round trip to a remote store), stopping after the first miss.
 
     Args:
         keys: Keys of consecutive blocks, in prefix order.
@@ -52,14 +56,19 @@ def stored_prefix(keys: Sequence[BlockKey], tiers: Sequence[TierView]) -> list[i
     if not slow:
         return best[: best.index(_MISS)] if _MISS in best else best
     found: list[int] = []
-    for key, tier in zip(keys, best, strict=True):
+    for start in range(0, len(keys), SLOW_LOOKUP_CHUNK):
+        chunk = range(start, min(start + SLOW_LOOKUP_CHUNK, len(keys)))
         for index in slow:
-            if index < tier and tiers[index].contains(key):
-                tier = index
-                break
-        if tier == _MISS:
-            break
-        found.append(tier)
+            ask = [i for i in chunk if index < best[i]]
+            if ask:
+                hits = tiers[index].contains_many([keys[i] for i in ask])
+                for i, hit in zip(ask, hits, strict=True):
+                    if hit:
+                        best[i] = index
+        for i in chunk:
+            if best[i] == _MISS:
+                return found
+            found.append(best[i])
     return found
 
 
@@ -184,16 +193,16 @@ class SharedTier(TierView):
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Return, per block, whether every rank's shard of it is stored."""
-        if self._index is None:
-            return [all(self._backend.lookup(self._shards(key))) for key in keys]
-        shards = [self._shards(key) for key in keys] if self._num_shards > 1 else None
-        if shards is None:
-            hits = self._index.contains_many(keys)
+        lookup = self._backend.lookup if self._index is None else self._index.contains_many
+        if self._num_shards == 1:
+            hits = lookup(keys)
         else:
-            flat = self._index.contains_many([shard for group in shards for shard in group])
+            flat = lookup([shard for key in keys for shard in self._shards(key)])
             hits = [
                 all(flat[i : i + self._num_shards]) for i in range(0, len(flat), self._num_shards)
             ]
+        if self._index is None:
+            return hits
         self._expire_unconfirmed()
         if self._unconfirmed:
             for i, hit in enumerate(hits):

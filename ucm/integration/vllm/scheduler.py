@@ -81,8 +81,17 @@ class UCMScheduler:
         self._root = key_space(vllm_config, config).root()
         block_bytes = estimated_block_bytes(vllm_config, kv_cache_config)
         self._tiers: list[TierView] = []
-        for tier in config.tiers:
+        for index, tier in enumerate(config.tiers):
             cls = backend_class(tier.backend)
+            if cls.capabilities.lossy and transfer.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "ucm: tiers[%d] (%s) may lose a block between lookup and load (a cache "
+                    "server evicting, a restart); with kv_load_failure_policy=%r the request "
+                    "that hit it fails. Set kv_load_failure_policy='recompute'.",
+                    index,
+                    tier.backend,
+                    transfer.kv_load_failure_policy,
+                )
             if cls.capabilities.shared:
                 self._tiers.append(SharedTier(cls.from_tier(tier), num_shards(vllm_config)))
             else:

