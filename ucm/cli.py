@@ -1,6 +1,7 @@
 """The ``ucm`` command line: ``ucm demo`` runs vLLM twice and shows what ucm saves;
 ``ucm bench`` measures; ``ucm fsck``, ``ucm du`` and ``ucm gc`` check, size and trim
-``posix`` stores."""
+``posix`` stores; ``ucm serve`` is ``vllm serve`` (on any vLLM build) and ``ucm vllm``
+any other ``vllm`` command; ``ucm pd-proxy`` fronts prefill and decode instances."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,8 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The process exit status.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "vllm"):  # Everything else is vLLM's to parse.
+        from ucm.serving.vllm_cli import run_vllm
+
+        return run_vllm(argv if argv[0] == "serve" else argv[1:])
     parser = argparse.ArgumentParser(prog="ucm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", help="vllm serve ARGS (works on vLLM's CPU build too)")
+    commands.add_parser("vllm", help="any vllm command: ucm vllm bench serve ARGS")
+    proxy = commands.add_parser("pd-proxy", help="front prefill and decode vllm instances")
+    proxy.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs")
+    proxy.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
     demo = commands.add_parser("demo", help="run vLLM cold and warm on a small local model")
     demo.add_argument("--workdir", type=Path, default=Path(".demo"), help="models and store")
     demo.add_argument("--documents", type=int, default=3, help="documents to ask about")
@@ -63,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     collect.add_argument("path", type=Path, help="the posix tier's path")
     collect.add_argument("--size", required=True, help="bytes to keep, e.g. 10GiB")
     args = parser.parse_args(argv)
+    if args.command == "pd-proxy":
+        from ucm.serving import pd_proxy
+
+        pd_proxy.serve(args.prefill, args.decode, args.host, args.port)
+        return 0
     if args.command == "gc":
         return run_gc(args.path, args.size)
     if args.command == "fsck":

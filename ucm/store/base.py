@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NewType
+from typing import TYPE_CHECKING, ClassVar, Literal, NewType
 
 import numpy
 
@@ -76,6 +76,9 @@ class Capabilities:
     lossy: bool = False
     """Blocks may vanish at any moment, e.g. evicted by a cache server: a lookup hit is
     likely, not certain, and a load may miss."""
+    medium: Literal["memory", "disk", "remote"] = "memory"
+    """Where the blocks live: host memory, a (local or shared) filesystem, or a server
+    reached over the network (for metrics: where a hit came from)."""
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class PosixBackend(Backend):
     Keys are at most 32 bytes; every method raises ValueError for a longer one.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(persistent=True, shared=True, medium="disk")
     option_types: ClassVar[Mapping[str, type]] = {
         "path": str,
         "fsync": bool,

@@ -68,7 +68,7 @@ class RedisBackend(Backend):
     """Blocks stored on a Redis or Valkey server or cluster, bounded by the server."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=True, bounded=False, lossy=True
+        persistent=True, shared=True, bounded=False, lossy=True, medium="remote"
     )
     option_types: ClassVar[Mapping[str, type]] = {
         "url": str,

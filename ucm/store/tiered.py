@@ -39,6 +39,9 @@ class TieredBackend(Backend):
             persistent=any(tier.capabilities.persistent for tier in self._tiers),
             shared=any(tier.capabilities.shared for tier in self._tiers),
             supports_delete=any(tier.capabilities.supports_delete for tier in self._tiers),
+            bounded=all(tier.capabilities.bounded for tier in self._tiers),
+            lossy=any(tier.capabilities.lossy for tier in self._tiers),
+            medium=self._tiers[-1].capabilities.medium,
         )
 
     @classmethod

@@ -21,6 +21,7 @@ from ucm.eviction import make_policy
 from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
 from ucm.integration.vllm.model_info import estimated_block_bytes, key_space, num_shards
 from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView, stored_prefix
+from ucm.integration.vllm.stats import StatsRecorder, tier_name
 from ucm.keys import KeyChain, request_root
 from ucm.store.base import BlockKey
 from ucm.store.registry import backend_class
@@ -98,6 +99,10 @@ class UCMScheduler:
                 policy = make_policy(tier.eviction)
                 self._tiers.append(MirroredTier(tier.capacity // block_bytes, policy))
         self._async_load = config.async_load
+        self._tier_names = [tier_name(i, tier) for i, tier in enumerate(config.tiers)]
+        self._media = [backend_class(tier.backend).capabilities.medium for tier in config.tiers]
+        self.stats = StatsRecorder()
+        """Lookups and hits since vLLM last took them (``get_kv_connector_stats``)."""
         self._requests: dict[str, _RequestState] = {}
         # Requests finished since the last connector output: vLLM fails a request for
         # a bad load (policy "fail") before it reports the bad blocks.
@@ -163,7 +168,10 @@ class UCMScheduler:
     ) -> None:
         """Plan the load of the blocks vLLM allocated for the external tokens."""
         state = self._requests.get(request.request_id)
-        if state is None or num_external_tokens <= 0:
+        if state is None:
+            return
+        self._record_lookup(state, num_external_tokens)
+        if num_external_tokens <= 0:
             return
         state.block_ids = list(blocks.get_block_ids()[0])
         first = state.lookup_computed_tokens // self._block_size
@@ -209,6 +217,30 @@ class UCMScheduler:
                 meta.evictions[index] = evicted
         return meta
 
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """Split a request's loaded tokens by the medium of the tier each block comes from.
+
+        Args:
+            request: A request just given ``num_external_tokens`` by ucm.
+            num_external_tokens: The tokens ucm loads for it.
+
+        Returns:
+            Tokens per medium (``memory``, ``disk``, ``remote``), only non-zero counts.
+        """
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return {}
+        first = state.lookup_computed_tokens // self._block_size
+        count = -(-num_external_tokens // self._block_size)
+        sources: dict[str, int] = {}
+        for tier in state.hit_tiers[first : first + count]:
+            medium = self._media[tier]
+            sources[medium] = sources.get(medium, 0) + self._block_size
+        if sum(sources.values()) != num_external_tokens:  # A partial block: trim the last.
+            medium = self._media[state.hit_tiers[first + count - 1]]
+            sources[medium] -= sum(sources.values()) - num_external_tokens
+        return {medium: tokens for medium, tokens in sources.items() if tokens > 0}
+
     def request_finished(self, request: Request) -> None:
         """Forget a finished request (its saves completed within its steps)."""
         state = self._requests.pop(request.request_id, None)
@@ -223,6 +255,18 @@ class UCMScheduler:
     def tracked_requests(self) -> frozenset[str]:
         """Return the ids of requests this half holds state for."""
         return frozenset(self._requests)
+
+    def _record_lookup(self, state: _RequestState, num_external_tokens: int) -> None:
+        """Count a request's lookup once it is scheduled (vLLM may ask several times)."""
+        stats = self.stats
+        stats.count("lookups")
+        possible = (state.request.num_tokens - 1) // self._block_size * self._block_size
+        stats.count("query_tokens", max(possible - state.lookup_computed_tokens, 0))
+        stats.count("hit_tokens", num_external_tokens)
+        first = state.lookup_computed_tokens // self._block_size
+        count = -(-num_external_tokens // self._block_size)
+        for tier in state.hit_tiers[first : first + count]:
+            stats.count(f"hit_tokens|{self._tier_names[tier]}", self._block_size)
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)

@@ -17,11 +17,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ucm.config import parse_config
 from ucm.integration.vllm.metadata import UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import UCMScheduler
+from ucm.integration.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.integration.vllm.worker import UCMWorker
 
 if TYPE_CHECKING:
@@ -36,9 +44,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
 
+_HIT_SOURCES = {
+    "memory": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM's label for remote stores.
+}
+
 
 class UCMConnector(KVConnectorBase_V1):
-    """Persistent, shared KV-cache tiers (DRAM, local disk, NFS) for vLLM."""
+    """Persistent, shared KV-cache tiers (DRAM, local disk, NFS, Redis/Valkey) for vLLM."""
 
     def __init__(
         self,
@@ -178,6 +192,37 @@ class UCMConnector(KVConnectorBase_V1):
         """Forget the request; its blocks may be freed at once."""
         self._scheduler_half().request_finished(request)
         return False, None
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Label ucm's hits by where they came from: host memory, disk, or a remote store."""
+        sources = self._scheduler_half().hit_sources(request, num_external_tokens)
+        return {_HIT_SOURCES[medium]: tokens for medium, tokens in sources.items()}
+
+    # ---- statistics (both sides) ---------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Return this half's stats since the last call (vLLM sums them over workers)."""
+        half = self._scheduler if self._scheduler is not None else self._worker
+        assert half is not None
+        return half.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """Rebuild stats from their payload (vLLM aggregates and logs them)."""
+        return UCMStats(data) if data else UCMStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """Register ucm's Prometheus metrics (``ucm:`` prefix) for ``vllm serve``."""
+        return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def tracked_requests(self) -> frozenset[str]:
         """Return the ids of requests the scheduler half holds state for (for leak checks)."""

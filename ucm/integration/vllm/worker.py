@@ -31,7 +31,9 @@ from vllm.logger import init_logger
 
 from ucm.config import TierConfig, UCMConfig
 from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
+from ucm.integration.vllm.metered import MeteredBackend
 from ucm.integration.vllm.model_info import estimated_block_bytes, num_shards
+from ucm.integration.vllm.stats import StatsRecorder, tier_name
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey, Segments
 from ucm.store.registry import backend_class
@@ -126,6 +128,11 @@ class UCMWorker:
         self._background: dict[str, _Reads] = {}  # Requests waiting for their loads.
         self._finished_loads: set[str] = set()  # Requests to report through get_finished.
         self._background_seen = False  # Whether a background load was started (logged once).
+        self.stats = StatsRecorder()
+        """Transfers and errors since vLLM last took them (``get_kv_connector_stats``)."""
+        transfer = vllm_config.kv_transfer_config
+        # A prefill instance's response must not come before its KV is in the store.
+        self._publish_each_step = transfer is not None and transfer.kv_role == "kv_producer"
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the KV tensors vLLM allocated and open the tiers."""
@@ -139,7 +146,10 @@ class UCMWorker:
         self._in_place = paged.in_place and self._config.in_place
         pin = paged.device.type == "cuda"
         self._staging = StagingPool(paged.block_bytes, pin)
-        self._tiers = [self._open_tier(tier, paged.block_bytes) for tier in self._config.tiers]
+        self._tiers = [
+            MeteredBackend(self._open_tier(tier, paged.block_bytes), tier_name(i, tier), self.stats)
+            for i, tier in enumerate(self._config.tiers)
+        ]
         logger.info(
             "ucm: %d KV layers, %d bytes per block, pages %s, tiers %s",
             len(paged.layers),
@@ -230,7 +240,9 @@ class UCMWorker:
         In-memory tiers are written now, from the pages themselves where they are
         contiguous host memory; persistent tiers (disk, remote) in the background,
         from staging rows that stay reserved until their writes finish. The paged
-        blocks are free for vLLM to reuse when this returns.
+        blocks are free for vLLM to reuse when this returns. A ``kv_producer`` (a
+        prefill instance) waits for its persistent writes too, so that its response
+        never reaches a decode instance before the KV is in the store.
         """
         self._finish_load()
         tainted = self._tainted_requests()
@@ -263,6 +275,8 @@ class UCMWorker:
             return
         assert staged is not None
         self._write_behind(saves, rows, staged, {tier: by_tier[tier] for tier in background})
+        if self._publish_each_step:
+            self._writer.flush()
 
     def _tainted_requests(self) -> set[str]:
         """Return the requests whose saves this step must drop.
@@ -317,6 +331,7 @@ class UCMWorker:
     def take_load_errors(self) -> set[int]:
         """Return and forget the block ids whose load failed."""
         errors, self._load_errors = self._load_errors, set()
+        self.stats.count("errors|load_failed", len(errors))
         return errors
 
     def flush(self) -> None:

@@ -1,0 +1,2 @@
+"""Serving with ucm: ``ucm serve`` (vLLM's OpenAI-compatible server, on any vLLM build)
+and ``ucm pd-proxy`` (prefill/decode disaggregation through a shared ucm store)."""
