@@ -7,6 +7,11 @@ STAMP := $(VENV)/.ucm-installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+	# Mooncake's client (the mooncake tier's tests) needs Debian's libibverbs1.
+	@/sbin/ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && \
+	  { apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; }; }; } || \
+	  echo "warning: libibverbs1 is missing and cannot be installed: mooncake tests will be skipped"
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	# pip brings CUDA builds of these; they break transformers on the CPU build.

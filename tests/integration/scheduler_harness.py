@@ -18,6 +18,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -266,6 +267,7 @@ def make_harness(
     settings: dict[str, Any] | None = None,
     failure_policy: str = "fail",
     role: str = "kv_both",
+    kv_events: bool = False,
 ) -> Harness:
     """Build vLLM's scheduler with ``UCMConnector`` over ``tiers`` (after vLLM's test utils).
 
@@ -295,6 +297,9 @@ def make_harness(
             kv_load_failure_policy=failure_policy,
         ),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
     )
     assert not vllm_config.scheduler_config.async_scheduling
     parallel = vllm_config.parallel_config

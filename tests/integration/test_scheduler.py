@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
@@ -406,3 +408,42 @@ def test_in_memory_index_sees_blocks_stored_by_others(tiny_model: str, tmp_path:
     h.update(step)
     h.run()
     h.assert_no_leaks()
+
+
+def test_kv_events_name_ucm_blocks_like_vllm_names_its_own(tiny_model: str) -> None:
+    """With vLLM's KV events on, ucm reports the blocks it stores (CPU for dram) and the
+    ones its DRAM tier evicts, under vLLM's own block hashes."""
+    block_bytes = 2 * 2 * BLOCK * 64 * 4  # K+V, 2 layers, 2 KV heads of 64 floats, float32.
+    tiers = [{"backend": "dram", "capacity": 4 * block_bytes}]
+    h = make_harness(tiny_model, tiers, kv_events=True)
+    published: list[Any] = []
+    h.scheduler.kv_event_publisher.publish = published.append  # type: ignore[method-assign]
+    connector = h.scheduler.connector
+    assert connector is not None
+    ours: list[Any] = []
+    take = connector.take_events
+
+    def take_and_keep() -> list[Any]:
+        events = list(take())
+        ours.extend(events)
+        return events
+
+    connector.take_events = take_and_keep  # type: ignore[method-assign]
+    for index in range(2):  # 6 full blocks in all: the DRAM tier holds 4.
+        h.add(f"r{index}", prompt(3 * BLOCK + 1, seed=index), max_tokens=1)
+        h.run()
+    events = [event for batch in published for event in batch.events]
+    assert all(event in events for event in ours)  # vLLM published ucm's events.
+    stored = [e for e in ours if isinstance(e, BlockStored)]
+    assert [e.medium for e in stored] == [MEDIUM_CPU] * 6
+    assert all(len(e.token_ids) == BLOCK for e in stored)
+    vllm_hashes = [
+        block_hash
+        for e in events
+        if isinstance(e, BlockStored) and not any(e is o for o in ours)
+        for block_hash in e.block_hashes
+    ]
+    assert [e.block_hashes[0] for e in stored] == vllm_hashes
+    removed = [h for e in ours if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert len(removed) == 2
+    assert set(removed) <= {e.block_hashes[0] for e in stored[:3]}

@@ -59,7 +59,7 @@ def test_package_reexports_without_importing_backends() -> None:
 
 
 def test_unknown_backend_names_it_and_the_known_ones() -> None:
-    with pytest.raises(UnknownBackendError, match=r"'nope'.*dram, posix") as info:
+    with pytest.raises(UnknownBackendError, match=r"'nope'.*dram, mooncake, posix, redis") as info:
         backend_class("nope")
     assert isinstance(info.value, ValueError)
 

@@ -2,8 +2,9 @@
 
 Names map to ``"module:Class"`` strings that are imported only when the backend is
 first asked for, so that listing or validating backends never imports their
-dependencies. Built-in backends are ``dram``, ``posix`` and ``redis``; third-party packages add
-theirs with :func:`register_backend` or through the ``ucm.backends`` entry-point group::
+dependencies. Built-in backends are ``dram``, ``posix``, ``redis`` and ``mooncake``;
+third-party packages add theirs with :func:`register_backend` or through the
+``ucm.backends`` entry-point group::
 
     [project.entry-points."ucm.backends"]
     mystore = "mypackage.store:MyStoreBackend"
@@ -23,6 +24,7 @@ _registry: dict[str, str | type[Backend]] = {
     "dram": "ucm.store.dram:DramBackend",
     "posix": "ucm.store.posix:PosixBackend",
     "redis": "ucm.store.redis:RedisBackend",
+    "mooncake": "ucm.store.mooncake:MooncakeBackend",
 }
 
 

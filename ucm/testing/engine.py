@@ -75,6 +75,9 @@ class EngineSpec:
     """Memory for vLLM's own paged KV cache."""
     enable_prefix_caching: bool = True
     """Whether vLLM's own prefix cache is on."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks. Above 1 the engine runs its workers in separate processes,
+    each bound to its own core (the CPU backend needs that binding)."""
 
 
 @dataclass
@@ -119,6 +122,11 @@ def start_engine(spec: EngineSpec, workdir: Path) -> subprocess.Popen[str]:
     (workdir / "spec.json").write_text(json.dumps(asdict(spec)))
     env = {**os.environ, **ENGINE_ENV, **spec.env}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.multiprocessing else "0"
+    if spec.tensor_parallel_size > 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        cores = os.cpu_count() or 1
+        bind = "|".join(str(rank % cores) for rank in range(spec.tensor_parallel_size))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     command = [sys.executable, "-m", "ucm.testing.engine", str(workdir)]
     log = (workdir / "engine.log").open("w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -160,6 +168,7 @@ def _serve(workdir: Path) -> None:
         kv_cache_memory_bytes=spec.kv_cache_bytes,
         kv_transfer_config=transfer,
         disable_log_stats=False,
+        tensor_parallel_size=spec.tensor_parallel_size,
     )
     results = []
     conversations: list[list[int]] = []

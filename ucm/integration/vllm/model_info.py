@@ -75,9 +75,31 @@ def _config_digest(config: dict[str, Any]) -> str:
 
 
 def num_shards(vllm_config: VllmConfig) -> int:
-    """Return how many ranks each hold one shard of every block (TP x PP)."""
+    """Return into how many distinct shards the ranks split every block.
+
+    Each tensor- and pipeline-parallel rank holds its own shard (TP x PP), except with
+    MLA, where every tensor-parallel rank holds the same latent KV (PP shards).
+    """
     parallel = vllm_config.parallel_config
-    return int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+    tensor = 1 if vllm_config.model_config.use_mla else parallel.tensor_parallel_size
+    return int(tensor * parallel.pipeline_parallel_size)
+
+
+def rank_shard(vllm_config: VllmConfig, tp_rank: int, pp_rank: int) -> tuple[int, bool]:
+    """Return the shard a rank holds, and whether it writes it to shared tiers.
+
+    With MLA only the first tensor-parallel rank of each pipeline stage writes the
+    shard the stage's ranks all hold (and all of them load it); otherwise every rank
+    writes its own.
+
+    Args:
+        vllm_config: The engine's configuration.
+        tp_rank: The rank within its tensor-parallel group.
+        pp_rank: The rank within its pipeline-parallel group.
+    """
+    if vllm_config.model_config.use_mla:
+        return pp_rank, tp_rank == 0
+    return pp_rank * int(vllm_config.parallel_config.tensor_parallel_size) + tp_rank, True
 
 
 def estimated_block_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:

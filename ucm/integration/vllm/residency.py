@@ -186,6 +186,7 @@ class SharedTier(TierView):
         self._index = backend.key_index()
         self.in_memory = self._index is not None
         self._unconfirmed: OrderedDict[BlockKey, float] = OrderedDict()  # Key -> deadline.
+        self._purged: list[BlockKey] = []
 
     def contains(self, key: BlockKey) -> bool:
         """Return whether every rank's shard of the block is stored."""
@@ -218,8 +219,21 @@ class SharedTier(TierView):
         return True
 
     def discard(self, key: BlockKey) -> None:
-        """Stop checking a block this engine saved: its copy failed to load."""
+        """Delete a block whose load failed or that was computed on top of one.
+
+        With several ranks, one rank's shard may be bad while the others loaded theirs,
+        and the other ranks cannot know that the rest of their step was computed on
+        garbage and saved: every rank deletes its shard, so that the block is saved
+        anew. (A single rank drops such saves itself and the store removes a bad copy.)
+        """
         self._unconfirmed.pop(key, None)
+        if self._num_shards > 1:
+            self._purged.append(key)
+
+    def take_evictions(self) -> list[BlockKey]:
+        """Return the blocks to delete from the store since the last call."""
+        purged, self._purged = self._purged, []
+        return purged
 
     def close(self) -> None:
         """Close the in-memory view, if any."""

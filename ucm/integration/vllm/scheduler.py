@@ -18,6 +18,7 @@ from vllm.logger import init_logger
 
 from ucm.config import UCMConfig
 from ucm.eviction import make_policy
+from ucm.integration.vllm.events import KVEvents
 from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
 from ucm.integration.vllm.model_info import estimated_block_bytes, key_space, num_shards
 from ucm.integration.vllm.residency import MirroredTier, SharedTier, TierView, stored_prefix
@@ -28,6 +29,7 @@ from ucm.store.registry import backend_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -103,6 +105,12 @@ class UCMScheduler:
         self._media = [backend_class(tier.backend).capabilities.medium for tier in config.tiers]
         self.stats = StatsRecorder()
         """Lookups and hits since vLLM last took them (``get_kv_connector_stats``)."""
+        events = vllm_config.kv_events_config
+        self._events = (
+            KVEvents(self._block_size, self._media)
+            if events is not None and events.enable_kv_cache_events
+            else None
+        )
         self._requests: dict[str, _RequestState] = {}
         # Requests finished since the last connector output: vLLM fails a request for
         # a bad load (policy "fail") before it reports the bad blocks.
@@ -215,6 +223,8 @@ class UCMScheduler:
             evicted = view.take_evictions()
             if evicted:
                 meta.evictions[index] = evicted
+                if self._events is not None:
+                    self._events.removed(index, evicted)
         return meta
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
@@ -240,6 +250,10 @@ class UCMScheduler:
             medium = self._media[state.hit_tiers[first + count - 1]]
             sources[medium] -= sum(sources.values()) - num_external_tokens
         return {medium: tokens for medium, tokens in sources.items() if tokens > 0}
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return the KV events since the last call (none unless vLLM's events are on)."""
+        return self._events.take() if self._events is not None else []
 
     def request_finished(self, request: Request) -> None:
         """Forget a finished request (its saves completed within its steps)."""
@@ -345,6 +359,8 @@ class UCMScheduler:
                 tiers = tuple(t for t, view in enumerate(self._tiers) if view.admit(key, step))
                 if tiers:
                     saves.append(BlockSave(state.block_ids[index], key, tiers, req_id))
+                    if self._events is not None:
+                        self._events.stored(state.request, index, key, tiers)
             if len(saves) > first_save:
                 tables[req_id] = state.block_ids[:num_full]
             if len(keys) > state.num_saved_blocks:

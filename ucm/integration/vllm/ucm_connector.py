@@ -33,8 +33,11 @@ from ucm.integration.vllm.stats import UCMPromMetrics, UCMStats
 from ucm.integration.vllm.worker import UCMWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -199,6 +202,10 @@ class UCMConnector(KVConnectorBase_V1):
         """Label ucm's hits by where they came from: host memory, disk, or a remote store."""
         sources = self._scheduler_half().hit_sources(request, num_external_tokens)
         return {_HIT_SOURCES[medium]: tokens for medium, tokens in sources.items()}
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Return KV events (blocks stored in and evicted from ucm's tiers) for routers."""
+        return self._scheduler_half().take_events()
 
     # ---- statistics (both sides) ---------------------------------------------------
 

@@ -32,7 +32,7 @@ from vllm.logger import init_logger
 from ucm.config import TierConfig, UCMConfig
 from ucm.integration.vllm.metadata import BlockLoad, BlockSave, UCMConnectorMetadata
 from ucm.integration.vllm.metered import MeteredBackend
-from ucm.integration.vllm.model_info import estimated_block_bytes, num_shards
+from ucm.integration.vllm.model_info import estimated_block_bytes, num_shards, rank_shard
 from ucm.integration.vllm.stats import StatsRecorder, tier_name
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey, Segments
@@ -48,11 +48,11 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # Under vLLM's configured logger tree.
 
 
-def _shard_index() -> int:
+def _rank_shard(vllm_config: VllmConfig) -> tuple[int, bool]:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-    tp = get_tp_group()
-    return int(get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group)
+    tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    return rank_shard(vllm_config, int(tp_rank), int(pp_rank))
 
 
 @dataclass
@@ -107,7 +107,11 @@ class UCMWorker:
         self._config = config
         self._kv_cache_config = kv_cache_config
         self._num_shards = num_shards(vllm_config)
-        self._shard = _shard_index() if self._num_shards > 1 else 0
+        parallel = vllm_config.parallel_config
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # Which shard of each block this rank holds, and whether it writes it to shared
+        # tiers (with MLA one rank per stage writes what all of them hold).
+        self._shard, self._writes_shared = _rank_shard(vllm_config) if ranks > 1 else (0, True)
         self._paged: PagedKV | None = None
         self._in_place = False  # Whether stores read and write the KV pages themselves.
         self._tiers: list[Backend] = []
@@ -259,7 +263,8 @@ class UCMWorker:
             if save.request_id in tainted:
                 continue  # Computed on top of a block that failed to load: garbage.
             for tier in save.tiers:
-                by_tier[tier].append(index)
+                if self._writes_shared or not self._tiers[tier].capabilities.shared:
+                    by_tier[tier].append(index)
         background = [t for t in by_tier if self._tiers[t].capabilities.persistent]
         in_memory = [t for t in by_tier if t not in background]
         if in_memory:
