@@ -6,10 +6,11 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ucm.testing.servers import ServerUnavailableError, ValkeyServer
+from ucm.testing.servers import MooncakeStore, ServerUnavailableError, ValkeyServer
 
 
 @pytest.fixture(scope="session")
@@ -41,14 +42,12 @@ def remount(mount: Path, mode: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{mode}", str(mount)], check=True)
 
 
-@pytest.fixture(scope="session")
-def valkey_server() -> Iterator[ValkeyServer]:
-    """A Valkey server on loopback for the whole session (a 1 GB cache).
+def started(server: ValkeyServer | MooncakeStore) -> Iterator[Any]:
+    """Start a server for a fixture, yield it, and close it afterwards.
 
-    Skipped, with the reason, where no server binary is installed, except under CI,
-    whose set-up installs one: there a missing server fails the test.
+    Skipped, with the reason, where the server is not installed, except under CI, whose
+    set-up installs it: there a missing server fails the test.
     """
-    server = ValkeyServer()
     try:
         server.start()
     except ServerUnavailableError as exc:
@@ -59,3 +58,15 @@ def valkey_server() -> Iterator[ValkeyServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[ValkeyServer]:
+    """A Valkey server on loopback for the whole session (a 1 GB cache)."""
+    yield from started(ValkeyServer())
+
+
+@pytest.fixture(scope="session")
+def mooncake_store() -> Iterator[MooncakeStore]:
+    """A Mooncake Store on loopback (master and a 512 MB daemon) for the whole session."""
+    yield from started(MooncakeStore())

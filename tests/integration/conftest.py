@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.workload import documents_workload
 from ucm.testing.engine import EngineSpec, Phase, run_engine
-from ucm.testing.model import TINY, build_model
+from ucm.testing.model import TINY, TINY_MLA, build_model
 
 WORKLOAD = documents_workload()
 
@@ -22,6 +22,15 @@ def tiny_model(models_root: Path) -> Iterator[str]:
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("TRANSFORMERS_OFFLINE", "1")
         yield str(build_model(TINY, models_root))
+
+
+@pytest.fixture(scope="session")
+def mla_model(models_root: Path) -> Iterator[str]:
+    """A tiny DeepSeek-V2-style model with multi-head latent attention, offline."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("TRANSFORMERS_OFFLINE", "1")
+        yield str(build_model(TINY_MLA, models_root))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ replaces the stored blocks with random payloads under valid checksums.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,6 @@ from ucm.testing.engine import EngineSpec, Phase, run_engine
 from ucm.testing.servers import MooncakeStore
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[MooncakeStore]:
-    with MooncakeStore() as running:
-        yield running
 
 
 def transfer(master: str, prefix: str, *, dram: bool = True, posix: Path | None = None) -> Any:
@@ -45,9 +38,9 @@ def transfer(master: str, prefix: str, *, dram: bool = True, posix: Path | None 
 
 
 def test_second_engine_reuses_what_the_first_computed(
-    store: MooncakeStore, tiny_model: str, reference: Any, tmp_path: Path
+    mooncake_store: MooncakeStore, tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:
-    config = transfer(store.master, "cross:")
+    config = transfer(mooncake_store.master, "cross:")
     run_engine(EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, config), tmp_path / "writer")
     reader = EngineSpec(tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, config)
     warm = run_engine(reader, tmp_path / "reader")[0]
@@ -57,16 +50,16 @@ def test_second_engine_reuses_what_the_first_computed(
 
 
 def test_negative_control_corrupted_blocks_change_outputs(
-    store: MooncakeStore, tiny_model: str, reference: Any, tmp_path: Path
+    mooncake_store: MooncakeStore, tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:
     from ucm.store.mooncake import MooncakeBackend
 
     prefix, keys_dir = "negative:", tmp_path / "keys"
-    writer = transfer(store.master, prefix, dram=False, posix=keys_dir)
+    writer = transfer(mooncake_store.master, prefix, dram=False, posix=keys_dir)
     run_engine(EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, writer), tmp_path / "w")
     files = sorted(keys_dir.rglob("*.blk"))
     assert files
-    client = MooncakeBackend(store.master, 1 << 30, key_prefix=prefix)
+    client = MooncakeBackend(mooncake_store.master, 1 << 30, key_prefix=prefix)
     rng = random.Random(0)
     for path in files:  # Random payloads under valid checksums: only the outputs can tell.
         key = BlockKey(bytes.fromhex(path.stem))
@@ -78,7 +71,7 @@ def test_negative_control_corrupted_blocks_change_outputs(
         tiny_model,
         [Phase(WORKLOAD.warm, reset_before_each=True)],
         32,
-        transfer(store.master, prefix, dram=False),
+        transfer(mooncake_store.master, prefix, dram=False),
     )
     warm = run_engine(reader, tmp_path / "reader")[0]
     assert warm.cached_tokens == WORKLOAD.expected_loaded(32)

@@ -5,9 +5,7 @@ surviving the engine-side client that wrote them."""
 from __future__ import annotations
 
 import itertools
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,24 +19,9 @@ from ucm.testing.conformance import (
     make_payload,
     views,
 )
-from ucm.testing.servers import MooncakeStore, ServerUnavailableError
+from ucm.testing.servers import MooncakeStore
 
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def mooncake_store() -> Iterator[MooncakeStore]:
-    store = MooncakeStore()
-    try:
-        store.start()
-    except ServerUnavailableError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
-    try:
-        yield store
-    finally:
-        store.close()
 
 
 def backend_on(store: MooncakeStore, capacity: int = 1 << 24, **options: object) -> Backend:

@@ -135,6 +135,29 @@ class Sealer:
             return False
         return self._digest(trailer, payload) == trailer.digest
 
+    def open(self, key: BlockKey, value: Buffer, verify: bool = True) -> Buffer | None:
+        """Return the payload of a value stored as payload then trailer (remote stores).
+
+        Args:
+            key: The key the value was read under.
+            value: The whole value.
+            verify: Check the payload against its checksum; without it only the trailer
+                is checked (a MAC is always checked).
+
+        Returns:
+            A view of the payload, or None unless the value is whole, the key's, and
+            (where checked) intact.
+        """
+        size = value.nbytes - TRAILER_BYTES
+        trailer = parse_trailer(value[size:]) if size >= 0 else None
+        if trailer is None or trailer.key != key or trailer.length != size:
+            return None
+        payload = value[:size]
+        checked = verify or self.flags or trailer.flags != self.flags
+        if checked and not self.verify(trailer, [payload]):
+            return None
+        return payload
+
     def _digest(self, trailer: Trailer, payload: Sequence[Buffer]) -> bytes:
         hasher: xxhash.xxh3_128 | blake3
         hasher = xxhash.xxh3_128() if self._mac_key is None else blake3(key=self._mac_key)

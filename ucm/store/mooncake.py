@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,7 +36,8 @@ from ucm.store.base import (
     scatter,
     segments_nbytes,
 )
-from ucm.store.blockfile import TRAILER_BYTES, Sealer, parse_trailer, read_secret
+from ucm.store.blockfile import TRAILER_BYTES, Sealer, read_secret
+from ucm.store.throttled import ThrottledWarning
 
 if TYPE_CHECKING:
     from typing import Self
@@ -55,7 +55,6 @@ DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
 DEFAULT_RETRY_SECONDS = 5.0
 RPC_FAILED = -900
 """Mooncake's status for a call that could not reach the master."""
-_FAILURE_LOG_SECONDS = 60.0
 
 
 class MooncakeBackend(Backend):
@@ -149,7 +148,7 @@ class MooncakeBackend(Backend):
         self._capacity = capacity_bytes
         self._prefix = key_prefix
         self._sealer = Sealer(secret)
-        self._verify = verify or secret is not None
+        self._verify = verify
         self._staging_bytes = staging_bytes
         self._arenas = [numpy.zeros(staging_bytes, numpy.uint8) for _ in range(staging_buffers)]
         self._free: queue.SimpleQueue[numpy.ndarray] = queue.SimpleQueue()
@@ -161,7 +160,7 @@ class MooncakeBackend(Backend):
         self._retry = retry_seconds
         self._down = threading.Event()  # Set while the master is unreachable.
         self._closed = threading.Event()
-        self._last_failure_log = -_FAILURE_LOG_SECONDS
+        self._warn = ThrottledWarning(logger)
         self.dropped_writes = 0
         """Blocks the store refused (full, unreachable) since start."""
         self.corrupt_blocks = 0
@@ -359,16 +358,10 @@ class MooncakeBackend(Backend):
         target[offset:] = trailer.pack()
 
     def _unseal(self, key: BlockKey, value: memoryview, segments: Segments) -> bool:
-        size = len(value) - TRAILER_BYTES
-        trailer = parse_trailer(value[size:])
-        if trailer is None or trailer.key != key or trailer.length != size:
-            return False
-        payload = value[:size]
-        checked = self._verify or trailer.flags != self._sealer.flags
-        if checked and not self._sealer.verify(trailer, [payload]):
-            return False
-        scatter(payload, segments)
-        return True
+        payload = self._sealer.open(key, value, self._verify)
+        if payload is not None:
+            scatter(payload, segments)
+        return payload is not None
 
     def _remove_corrupt(self, keys: list[BlockKey]) -> None:
         with self._lock:
@@ -390,7 +383,9 @@ class MooncakeBackend(Backend):
         try:
             result = getattr(self._store, method)(*args)
         except Exception as exc:  # noqa: BLE001 - a store fault is a miss, never an error
-            self._log_failure(f"{method} failed: {exc}")
+            self._warn(
+                "ucm: Mooncake %s: %s failed: %s; blocks are misses", self._master, method, exc
+            )
             return None
         codes = [result] if isinstance(result, int) else list(result)
         if RPC_FAILED in codes:
@@ -403,7 +398,11 @@ class MooncakeBackend(Backend):
             if self._down.is_set():
                 return
             self._down.set()
-        self._log_failure(f"{method} cannot reach the master; probing every {self._retry:g} s")
+        self._warn(
+            "ucm: Mooncake %s unreachable; blocks are misses, probing every %g s",
+            self._master,
+            self._retry,
+        )
         threading.Thread(target=self._probe, name="ucm-mooncake-probe", daemon=True).start()
 
     def _probe(self) -> None:
@@ -417,16 +416,6 @@ class MooncakeBackend(Backend):
                 logger.info("ucm: Mooncake %s is reachable again", self._master)
                 self._down.clear()
                 return
-
-    def _log_failure(self, what: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last_failure_log < _FAILURE_LOG_SECONDS:
-                return
-            self._last_failure_log = now
-        logger.warning(
-            "ucm: Mooncake store %s: %s; blocks are misses meanwhile", self._master, what
-        )
 
 
 def _first_of_each(keys: Sequence[BlockKey]) -> list[int]:

@@ -37,7 +37,8 @@ from ucm.store.base import (
     scatter,
     segments_nbytes,
 )
-from ucm.store.blockfile import TRAILER_BYTES, Sealer, parse_trailer, read_secret
+from ucm.store.blockfile import Sealer, read_secret
+from ucm.store.throttled import ThrottledWarning
 
 if TYPE_CHECKING:
     from typing import Self
@@ -53,7 +54,6 @@ PIPELINE_BYTES = 32 << 20
 """Payload bytes sent or expected per pipeline round trip at most."""
 _LOOKUP_CHUNK = 256  # Keys per round trip of lookup_prefix.
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-_FAILURE_LOG_SECONDS = 60.0
 
 
 class _Check(enum.Enum):
@@ -137,11 +137,11 @@ class RedisBackend(Backend):
         self._capacity = capacity_bytes
         self._prefix = key_prefix.encode()
         self._sealer = Sealer(secret)
-        self._verify = verify or secret is not None
+        self._verify = verify
         self._retry_seconds = retry_seconds
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._last_failure_log = -_FAILURE_LOG_SECONDS
+        self._warn = ThrottledWarning(logger)
         self.dropped_writes = 0
         """Blocks whose write failed (server unreachable, out of memory) since start."""
         self.corrupt_blocks = 0
@@ -285,11 +285,14 @@ class RedisBackend(Backend):
 
         Zero while the server is unreachable.
         """
+        unknown = Usage(used_bytes=0, capacity_bytes=self._capacity, num_blocks=0)
+        if time.monotonic() < self._down_until:
+            return unknown
         try:
             memory = self._client.info("memory")
             count = self._client.dbsize()
         except (redis.RedisError, OSError):
-            return Usage(used_bytes=0, capacity_bytes=self._capacity, num_blocks=0)
+            return unknown
         used = memory.get("used_memory", 0) if isinstance(memory, dict) else 0
         if not isinstance(count, int):  # A cluster answers per node.
             count = sum(count.values()) if isinstance(count, dict) else 0
@@ -310,17 +313,12 @@ class RedisBackend(Backend):
         return b"".join([*segments, trailer.pack()])
 
     def _unseal(self, key: BlockKey, value: bytes, segments: Segments, size: int) -> _Check:
-        """Check a value's trailer (and payload) and copy its payload into ``segments``."""
-        view = memoryview(value)
-        trailer = parse_trailer(view[-TRAILER_BYTES:])
-        if trailer is None or trailer.key != key or trailer.length != len(value) - TRAILER_BYTES:
+        """Check a value and copy its payload into ``segments``."""
+        payload = self._sealer.open(key, memoryview(value), self._verify)
+        if payload is None:
             return _Check.CORRUPT
-        if trailer.length != size:
+        if payload.nbytes != size:
             return _Check.OTHER_SIZE
-        payload = view[:size]
-        checked = self._verify or trailer.flags != self._sealer.flags
-        if checked and not self._sealer.verify(trailer, [payload]):
-            return _Check.CORRUPT
         scatter(payload, segments)
         return _Check.OK
 
@@ -349,16 +347,15 @@ class RedisBackend(Backend):
                 return list(pipe.execute(raise_on_error=False))
         except _CONNECTION_ERRORS as exc:
             self._down_until = time.monotonic() + self._retry_seconds
-            self._log_failure(f"unreachable ({exc}); retrying in {self._retry_seconds:g} s")
+            self._warn(
+                "ucm: redis server %s unreachable (%s); blocks are misses, retrying in %g s",
+                self._url,
+                exc,
+                self._retry_seconds,
+            )
         except redis.RedisError as exc:
-            self._log_failure(f"failed: {exc}")
+            self._warn("ucm: redis server %s failed: %s; blocks are misses", self._url, exc)
         return None
-
-    def _log_failure(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self._last_failure_log >= _FAILURE_LOG_SECONDS:
-            self._last_failure_log = now
-            logger.warning("ucm: redis server %s %s; blocks are misses meanwhile", self._url, what)
 
 
 def _batches(sizes: Sequence[int]) -> Iterator[list[int]]:

@@ -78,6 +78,8 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     """Tensor-parallel ranks. Above 1 the engine runs its workers in separate processes,
     each bound to its own core (the CPU backend needs that binding)."""
+    attention_backend: str | None = None
+    """vLLM's attention backend by name (e.g. ``CPU_MLA``); None lets vLLM choose."""
 
 
 @dataclass
@@ -169,6 +171,7 @@ def _serve(workdir: Path) -> None:
         kv_transfer_config=transfer,
         disable_log_stats=False,
         tensor_parallel_size=spec.tensor_parallel_size,
+        attention_backend=spec.attention_backend,
     )
     results = []
     conversations: list[list[int]] = []

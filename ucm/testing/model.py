@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama models and deterministic prompts for tests without a model hub.
+"""Tiny random-weight Llama (and MLA) models and deterministic prompts, for tests
+without a model hub.
 
 :func:`build_model` writes a Hugging Face model directory (random float32 weights plus a
 tokenizer trained locally) that vLLM and transformers load offline; the same
@@ -17,10 +18,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 """Special tokens, in id order: unk 0, bos 1, eos 2, pad 3."""
@@ -55,13 +57,17 @@ class ModelSpec:
     """Longest sequence the model accepts."""
     seed: int = 0
     """Seed of the weights and of the tokenizer's training text."""
+    kv_lora_rank: int | None = None
+    """Set: a DeepSeek-V2-style model with multi-head latent attention (MLA), whose KV
+    cache holds one latent vector of this width (plus the rotary part) per token."""
 
     @property
     def name(self) -> str:
         """Directory name under a models root, derived from a hash of the spec."""
         blob = json.dumps([_BUILD_VERSION, dataclasses.asdict(self)], sort_keys=True)
+        kind = "llama" if self.kv_lora_rank is None else "mla"
         return (
-            f"llama-h{self.hidden_size}-l{self.num_layers}-"
+            f"{kind}-h{self.hidden_size}-l{self.num_layers}-"
             + hashlib.sha256(blob.encode()).hexdigest()[:12]
         )
 
@@ -121,6 +127,21 @@ the KV bytes per prefill FLOP of a Llama-3-8B, so storage I/O weighs on a CPU ab
 much as it does for a large model on a GPU."""
 
 
+TINY_MLA = ModelSpec(
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=128,  # Rotary part 64: with the latent, the 576 vLLM's CPU MLA kernel takes.
+    intermediate_size=384,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+    kv_lora_rank=512,
+)
+"""A tiny DeepSeek-V2-style model with MLA (dense MLPs): every tensor-parallel rank
+holds the same latent KV."""
+
+
 def build_model(spec: ModelSpec, root: Path) -> Path:
     """Builds the model for ``spec`` under ``root``, or reuses one already built there.
 
@@ -154,22 +175,7 @@ def build_model(spec: ModelSpec, root: Path) -> Path:
 
 
 def _write_model(spec: ModelSpec, out: Path) -> None:
-    config = LlamaConfig(
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim or spec.hidden_size // spec.num_heads,
-        intermediate_size=spec.intermediate_size,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
+    model = _llama(spec) if spec.kv_lora_rank is None else _deepseek_v2(spec)
     # Unit-variance embeddings and 1/sqrt(fan_in) projections keep the residual stream's scale
     # (std 0.02 makes greedy output loop). Larger query/key gains sharpen attention and larger
     # value/output gains weigh what it reads, so outputs depend on early KV, not just the last
@@ -187,6 +193,51 @@ def _write_model(spec: ModelSpec, out: Path) -> None:
     _train_tokenizer(spec).save_pretrained(out)
     spec_json = json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True)
     (out / _COMPLETE_MARKER).write_text(spec_json + "\n")
+
+
+def _special_ids() -> dict[str, Any]:
+    return {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "tie_word_embeddings": False}
+
+
+def _deepseek_v2(spec: ModelSpec) -> PreTrainedModel:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    head = spec.head_dim or spec.hidden_size // spec.num_heads
+    config = DeepseekV2Config(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.intermediate_size,
+        first_k_dense_replace=spec.num_layers,  # Dense MLPs only.
+        kv_lora_rank=spec.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=head // 2,
+        qk_nope_head_dim=head // 2,
+        v_head_dim=head,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        dtype="float32",
+        **_special_ids(),
+    )
+    return DeepseekV2ForCausalLM(config)
+
+
+def _llama(spec: ModelSpec) -> PreTrainedModel:
+    config = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        dtype="float32",
+        **_special_ids(),
+    )
+    return LlamaForCausalLM(config)
 
 
 def _train_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:

@@ -60,6 +60,19 @@ class _RequestState:
     """Whether the planned load runs in the background (vLLM waits for ``get_finished``)."""
 
 
+def _computes_on_cached_prefixes(vllm_config: VllmConfig) -> bool:
+    """Return whether the engine computes prompts on top of KV already in its cache.
+
+    vLLM does so for its own prefix cache and for chunked prefill. Where both are off
+    (vLLM forces that where the attention backend cannot, e.g. MLA on CPU), a prompt
+    computed on top of loaded KV takes a path vLLM never takes, and need not be exact.
+    """
+    return bool(
+        vllm_config.cache_config.enable_prefix_caching
+        or vllm_config.scheduler_config.enable_chunked_prefill
+    )
+
+
 class UCMScheduler:
     """Scheduler-side state and decisions of :class:`UCMConnector`."""
 
@@ -81,6 +94,14 @@ class UCMScheduler:
         self._block_size = int(vllm_config.cache_config.block_size)
         self._load_enabled = transfer.is_kv_consumer
         self._save_enabled = transfer.is_kv_producer
+        if not _computes_on_cached_prefixes(vllm_config):
+            logger.warning(
+                "ucm: vLLM turned prefix caching and chunked prefill off for this model on "
+                "this platform (as it does for MLA on CPU): the engine never computes a "
+                "prompt on top of cached KV, and outputs computed that way are not exact. "
+                "ucm neither loads nor saves blocks here."
+            )
+            self._load_enabled = self._save_enabled = False
         self._root = key_space(vllm_config, config).root()
         block_bytes = estimated_block_bytes(vllm_config, kv_cache_config)
         self._tiers: list[TierView] = []
