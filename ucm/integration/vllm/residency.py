@@ -221,10 +221,11 @@ class SharedTier(TierView):
     def discard(self, key: BlockKey) -> None:
         """Delete a block whose load failed or that was computed on top of one.
 
-        With several ranks, one rank's shard may be bad while the others loaded theirs,
-        and the other ranks cannot know that the rest of their step was computed on
-        garbage and saved: every rank deletes its shard, so that the block is saved
-        anew. (A single rank drops such saves itself and the store removes a bad copy.)
+        With several ranks, one rank's shard may be bad while the others loaded theirs;
+        those ranks cannot know whether the rest of their step was computed on bad
+        activations and saved, so, as a precaution, every rank deletes its shard and
+        the block is saved anew. (A single rank drops such saves itself, and the store
+        removes a bad copy.)
         """
         self._unconfirmed.pop(key, None)
         if self._num_shards > 1:
