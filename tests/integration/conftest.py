@@ -10,27 +10,29 @@ import pytest
 
 from tests.integration.workload import documents_workload
 from ucm.testing.engine import EngineSpec, Phase, run_engine
-from ucm.testing.model import TINY, TINY_MLA, build_model
+from ucm.testing.model import TINY, TINY_MLA, ModelSpec, build_model
 
 WORKLOAD = documents_workload()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(models_root: Path) -> Iterator[str]:
-    """The tiny Llama model directory; Hugging Face libraries stay offline while in use."""
+def offline(spec: ModelSpec, models_root: Path) -> Iterator[str]:
+    """Build a model and keep Hugging Face libraries offline while it is in use."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield str(build_model(TINY, models_root))
+        yield str(build_model(spec, models_root))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_root: Path) -> Iterator[str]:
+    """The tiny Llama model directory."""
+    yield from offline(TINY, models_root)
 
 
 @pytest.fixture(scope="session")
 def mla_model(models_root: Path) -> Iterator[str]:
-    """A tiny DeepSeek-V2-style model with multi-head latent attention, offline."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield str(build_model(TINY_MLA, models_root))
+    """A tiny DeepSeek-V2-style model with multi-head latent attention."""
+    yield from offline(TINY_MLA, models_root)
 
 
 @pytest.fixture(scope="session")

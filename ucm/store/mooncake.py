@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy
 
 from ucm.store.base import (
-    Backend,
     BlockKey,
     Capabilities,
     CompletedTask,
@@ -36,8 +35,8 @@ from ucm.store.base import (
     scatter,
     segments_nbytes,
 )
-from ucm.store.blockfile import TRAILER_BYTES, Sealer, read_secret
-from ucm.store.throttled import ThrottledWarning
+from ucm.store.blockfile import TRAILER_BYTES, read_secret
+from ucm.store.remote import RemoteBackend
 
 if TYPE_CHECKING:
     from typing import Self
@@ -57,7 +56,7 @@ RPC_FAILED = -900
 """Mooncake's status for a call that could not reach the master."""
 
 
-class MooncakeBackend(Backend):
+class MooncakeBackend(RemoteBackend):
     """Blocks stored in a Mooncake Store, bounded by the store's own eviction."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -144,11 +143,10 @@ class MooncakeBackend(Backend):
         )
         if status != 0:
             raise ValueError(f"mooncake backend: cannot join the store at {master!r} ({status})")
+        super().__init__(f"Mooncake {master}", secret, verify)
         self._master = master
         self._capacity = capacity_bytes
         self._prefix = key_prefix
-        self._sealer = Sealer(secret)
-        self._verify = verify
         self._staging_bytes = staging_bytes
         self._arenas = [numpy.zeros(staging_bytes, numpy.uint8) for _ in range(staging_buffers)]
         self._free: queue.SimpleQueue[numpy.ndarray] = queue.SimpleQueue()
@@ -160,11 +158,6 @@ class MooncakeBackend(Backend):
         self._retry = retry_seconds
         self._down = threading.Event()  # Set while the master is unreachable.
         self._closed = threading.Event()
-        self._warn = ThrottledWarning(logger)
-        self.dropped_writes = 0
-        """Blocks the store refused (full, unreachable) since start."""
-        self.corrupt_blocks = 0
-        """Objects that failed their check on load (and were removed) since start."""
 
     @classmethod
     def from_tier(cls, tier: TierConfig) -> Self:
@@ -296,8 +289,7 @@ class MooncakeBackend(Backend):
                     results[i] = code == 0
         for i, key in enumerate(keys):  # Repeated keys share the first one's fate.
             results[i] = results[keys.index(key)]
-        with self._lock:
-            self.dropped_writes += results.count(False)
+        self._count_dropped(results.count(False))
         return CompletedTask(results)
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -362,14 +354,6 @@ class MooncakeBackend(Backend):
         if payload is not None:
             scatter(payload, segments)
         return payload is not None
-
-    def _remove_corrupt(self, keys: list[BlockKey]) -> None:
-        with self._lock:
-            self.corrupt_blocks += len(keys)
-        logger.warning(
-            "ucm: %d damaged blocks in Mooncake store %s removed", len(keys), self._master
-        )
-        self.delete(keys)
 
     def _call(self, method: str, *args: Any) -> list[int] | None:
         """Call a batch method of the store; None where it failed as a whole.

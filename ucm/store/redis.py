@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,7 +26,6 @@ import redis
 import redis.cluster
 
 from ucm.store.base import (
-    Backend,
     BlockKey,
     Capabilities,
     CompletedTask,
@@ -37,8 +35,8 @@ from ucm.store.base import (
     scatter,
     segments_nbytes,
 )
-from ucm.store.blockfile import Sealer, read_secret
-from ucm.store.throttled import ThrottledWarning
+from ucm.store.blockfile import read_secret
+from ucm.store.remote import RemoteBackend
 
 if TYPE_CHECKING:
     from typing import Self
@@ -64,7 +62,7 @@ class _Check(enum.Enum):
     CORRUPT = enum.auto()
 
 
-class RedisBackend(Backend):
+class RedisBackend(RemoteBackend):
     """Blocks stored on a Redis or Valkey server or cluster, bounded by the server."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -133,19 +131,12 @@ class RedisBackend(Backend):
                 self._client = redis.Redis.from_url(url, **settings)
         except (ValueError, redis.RedisError) as exc:
             raise ValueError(f"redis backend: cannot use url {_redacted(url)!r}: {exc}") from exc
+        super().__init__(_redacted(url), secret, verify)
         self._url = _redacted(url)
         self._capacity = capacity_bytes
         self._prefix = key_prefix.encode()
-        self._sealer = Sealer(secret)
-        self._verify = verify
         self._retry_seconds = retry_seconds
         self._down_until = 0.0
-        self._lock = threading.Lock()
-        self._warn = ThrottledWarning(logger)
-        self.dropped_writes = 0
-        """Blocks whose write failed (server unreachable, out of memory) since start."""
-        self.corrupt_blocks = 0
-        """Values that failed their check on load (and were removed) since start."""
 
     @classmethod
     def from_tier(cls, tier: TierConfig) -> Self:
@@ -265,10 +256,9 @@ class RedisBackend(Backend):
                 for i, reply in zip(indices, replies, strict=True):
                     # True: stored; None: SET NX found the key (another writer was first).
                     results[i] = reply is True or reply is None
-        with self._lock:
-            self.dropped_writes += sum(
-                1 for i, ok in enumerate(results) if not ok and sizes[i] <= self._capacity
-            )
+        self._count_dropped(
+            sum(1 for i, ok in enumerate(results) if not ok and sizes[i] <= self._capacity)
+        )
         return CompletedTask(results)
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
@@ -321,12 +311,6 @@ class RedisBackend(Backend):
             return _Check.OTHER_SIZE
         scatter(payload, segments)
         return _Check.OK
-
-    def _remove_corrupt(self, keys: list[BlockKey]) -> None:
-        with self._lock:
-            self.corrupt_blocks += len(keys)
-        logger.warning("ucm: %d damaged blocks on %s removed", len(keys), self._url)
-        self.delete(keys)
 
     def _pipelined(
         self, command: str, calls: Sequence[tuple[Any, ...]], **options: Any

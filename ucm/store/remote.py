@@ -1,0 +1,54 @@
+"""What the backends on remote servers (``redis``, ``mooncake``) share.
+
+Their values are a block's payload followed by the trailer of :mod:`ucm.store.blockfile`,
+so that a damaged, truncated, misplaced or forged value is found on load, removed and
+counted; writes a server refuses are counted as dropped; and server faults are logged at
+most once a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from ucm.store.base import Backend, BlockKey
+from ucm.store.blockfile import Sealer
+from ucm.store.throttled import ThrottledWarning
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteBackend(Backend):
+    """Sealed values, fault counters and throttled warnings for a server's backend."""
+
+    def __init__(self, server: str, secret: bytes | None, verify: bool) -> None:
+        """Set up sealing and the counters.
+
+        Args:
+            server: The server as logs name it (no password).
+            secret: Sign blocks with a MAC under this key and load only verified ones;
+                None stores plain checksums.
+            verify: Check each loaded payload against its checksum (a MAC is always
+                checked).
+        """
+        self._server = server
+        self._sealer = Sealer(secret)
+        self._verify = verify
+        self._warn = ThrottledWarning(logger)
+        self._counts = threading.Lock()
+        self.dropped_writes = 0
+        """Blocks the server refused or could not be sent (full, unreachable) since start."""
+        self.corrupt_blocks = 0
+        """Values that failed their check on load (and were removed) since start."""
+
+    def _count_dropped(self, count: int) -> None:
+        with self._counts:
+            self.dropped_writes += count
+
+    def _remove_corrupt(self, keys: Sequence[BlockKey]) -> None:
+        """Count, log and delete values that failed their check."""
+        with self._counts:
+            self.corrupt_blocks += len(keys)
+        logger.warning("ucm: %d damaged blocks on %s removed", len(keys), self._server)
+        self.delete(keys)
