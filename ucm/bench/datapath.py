@@ -2,7 +2,8 @@
 
 Measured side by side in one run, so that ratios stay meaningful on a noisy machine:
 memory copy bandwidth, sequential disk write/read bandwidth on the store's filesystem,
-ucm's ``dram`` and ``posix`` save/load rates for blocks of a given size, the
+ucm's ``dram`` and ``posix`` save/load rates for blocks of a given size (and the
+``redis`` and ``mooncake`` ones next to their servers' own clients), the
 gather/scatter rate between a paged KV tensor and staging rows, the worker's load
 path (reader threads reading straight into KV pages), and the scheduler's
 lookup cost for a long prompt against an index of a million stored blocks.
@@ -260,6 +261,7 @@ def run(
     disk_bytes: int = 1 << 30,
     index_blocks: int = 1_000_000,
     threads: int = 4,
+    remote: bool = True,
 ) -> dict[str, object]:
     """Run every measurement and return them as one JSON-ready mapping.
 
@@ -270,6 +272,8 @@ def run(
         disk_bytes: Size of the file for the raw disk measurements.
         index_blocks: Blocks in the DRAM index the lookup is timed against.
         threads: Reader threads for the in-place loads (ucm's ``io_threads``).
+        remote: Also measure the ``redis`` and ``mooncake`` tiers against their servers'
+            own clients, on servers started on loopback (where they are installed).
     """
     store_dir.mkdir(parents=True, exist_ok=True)
     total = block_bytes * count
@@ -308,10 +312,18 @@ def run(
         ]
         / rate["disk read"],
     }
+    skipped: list[str] = []
+    if remote:
+        from ucm.bench.remote import remote_rates
+
+        remote_measured, remote_ratios, skipped = remote_rates(block_bytes, count)
+        rates += remote_measured
+        ratios.update(remote_ratios)
     return {
         "rates": [rate.__dict__ for rate in rates],
         "ratios": ratios,
         "lookup": lookup_micros(store_dir, 32 * 1024, index_blocks, 32),
+        "skipped": skipped,
     }
 
 
@@ -329,4 +341,7 @@ def markdown(results: dict[str, object]) -> str:
     assert isinstance(lookup, dict)
     lines += ["", "| scheduler work, 32k-token prompt, 1M stored blocks | µs |", "| --- | ---: |"]
     lines += [f"| {name.removesuffix(' (us)')} | {value:.0f} |" for name, value in lookup.items()]
+    skipped = results.get("skipped") or []
+    assert isinstance(skipped, list)
+    lines += ["", *[f"Not measured: {reason}" for reason in skipped]] if skipped else []
     return "\n".join(lines) + "\n"

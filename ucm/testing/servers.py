@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 _READY_SECONDS = 20.0
+_CLUSTER_BUS_OFFSET_LIMIT = 65536 - 10000  # A cluster node's bus port is its port + 10000.
 
 
 class ServerUnavailableError(RuntimeError):
@@ -49,11 +50,19 @@ def find_valkey_server() -> Path:
     )
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def free_port(below: int = 65536) -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now.
+
+    Args:
+        below: Return a port under this number (a cluster node's bus listens on its
+            port + 10000).
+    """
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port < below:
+            return port
 
 
 class ValkeyServer:
@@ -69,7 +78,7 @@ class ValkeyServer:
             maxmemory: The server's memory bound (it evicts with ``allkeys-lru``).
             cluster: Run as a one-node Redis Cluster owning every hash slot.
         """
-        self.port = free_port()
+        self.port = free_port(below=_CLUSTER_BUS_OFFSET_LIMIT if cluster else 65536)
         self.maxmemory = maxmemory
         self.cluster = cluster
         self._dir = Path(tempfile.mkdtemp(prefix="ucm-valkey-"))
