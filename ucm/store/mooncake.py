@@ -26,7 +26,6 @@ import numpy
 
 from ucm.store.base import (
     BlockKey,
-    Capabilities,
     CompletedTask,
     Segments,
     Task,
@@ -36,7 +35,7 @@ from ucm.store.base import (
     segments_nbytes,
 )
 from ucm.store.blockfile import TRAILER_BYTES, read_secret
-from ucm.store.remote import RemoteBackend
+from ucm.store.remote import COMMON_OPTIONS, RemoteBackend
 
 if TYPE_CHECKING:
     from typing import Self
@@ -59,9 +58,6 @@ RPC_FAILED = -900
 class MooncakeBackend(RemoteBackend):
     """Blocks stored in a Mooncake Store, bounded by the store's own eviction."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=True, bounded=False, lossy=True, medium="remote"
-    )
     option_types: ClassVar[Mapping[str, type]] = {
         "master": str,
         "local_hostname": str,
@@ -71,11 +67,7 @@ class MooncakeBackend(RemoteBackend):
         "segment_bytes": int,
         "staging_bytes": int,
         "staging_buffers": int,
-        "key_prefix": str,
-        "retry_seconds": float,
-        "verify": bool,
-        "secret_file": str,
-        "secret_env": str,
+        **COMMON_OPTIONS,
     }
     required_options: ClassVar[frozenset[str]] = frozenset({"master"})
 

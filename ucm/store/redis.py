@@ -27,7 +27,6 @@ import redis.cluster
 
 from ucm.store.base import (
     BlockKey,
-    Capabilities,
     CompletedTask,
     Segments,
     Task,
@@ -36,7 +35,7 @@ from ucm.store.base import (
     segments_nbytes,
 )
 from ucm.store.blockfile import read_secret
-from ucm.store.remote import RemoteBackend
+from ucm.store.remote import COMMON_OPTIONS, RemoteBackend
 
 if TYPE_CHECKING:
     from typing import Self
@@ -65,19 +64,12 @@ class _Check(enum.Enum):
 class RedisBackend(RemoteBackend):
     """Blocks stored on a Redis or Valkey server or cluster, bounded by the server."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        persistent=True, shared=True, bounded=False, lossy=True, medium="remote"
-    )
     option_types: ClassVar[Mapping[str, type]] = {
         "url": str,
         "cluster": bool,
-        "key_prefix": str,
         "timeout": float,
-        "retry_seconds": float,
         "password_env": str,
-        "verify": bool,
-        "secret_file": str,
-        "secret_env": str,
+        **COMMON_OPTIONS,
     }
     required_options: ClassVar[frozenset[str]] = frozenset({"url"})
 

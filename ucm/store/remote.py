@@ -10,17 +10,32 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
-from ucm.store.base import Backend, BlockKey
+from ucm.store.base import Backend, BlockKey, Capabilities
 from ucm.store.blockfile import Sealer
 from ucm.store.throttled import ThrottledWarning
 
 logger = logging.getLogger(__name__)
 
 
+COMMON_OPTIONS: Mapping[str, type] = {
+    "key_prefix": str,
+    "retry_seconds": float,
+    "verify": bool,
+    "secret_file": str,
+    "secret_env": str,
+}
+"""Tier options every remote backend takes (see the README's configuration reference)."""
+
+
 class RemoteBackend(Backend):
     """Sealed values, fault counters and throttled warnings for a server's backend."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        persistent=True, shared=True, bounded=False, lossy=True, medium="remote"
+    )
 
     def __init__(self, server: str, secret: bytes | None, verify: bool) -> None:
         """Set up sealing and the counters.
