@@ -52,6 +52,15 @@ def copy_bytes(dst: Buffer, src: Buffer) -> None:
         dst[:] = src
 
 
+def gather(segments: Segments, target: Buffer) -> int:
+    """Copy ``segments`` back to back into the start of ``target``; return the bytes copied."""
+    offset = 0
+    for segment in segments:
+        copy_bytes(target[offset : offset + segment.nbytes], segment.cast("B"))
+        offset += segment.nbytes
+    return offset
+
+
 def scatter(source: Buffer, segments: Segments) -> None:
     """Copy ``source`` into ``segments``, which together hold exactly its size."""
     offset = 0

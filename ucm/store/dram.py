@@ -20,7 +20,7 @@ from ucm.store.base import (
     Segments,
     Task,
     Usage,
-    copy_bytes,
+    gather,
     scatter,
     segments_nbytes,
 )
@@ -160,10 +160,7 @@ class DramBackend(Backend):
         with self._lock:
             block = self._reuse_or_make_room(size)
             self._used += size  # Reserved now, so concurrent dumps stay within capacity.
-        target, offset = memoryview(block), 0
-        for segment in segments:  # Copied outside the lock; published under it.
-            copy_bytes(target[offset : offset + segment.nbytes], segment.cast("B"))
-            offset += segment.nbytes
+        gather(segments, memoryview(block))  # Copied outside the lock; published under it.
         with self._lock:
             if key in self._blocks:  # Another thread stored it meanwhile.
                 self._blocks.move_to_end(key)

@@ -30,12 +30,12 @@ from ucm.store.base import (
     Segments,
     Task,
     Usage,
-    copy_bytes,
+    gather,
     scatter,
     segments_nbytes,
 )
 from ucm.store.blockfile import TRAILER_BYTES, read_secret
-from ucm.store.remote import COMMON_OPTIONS, RemoteBackend
+from ucm.store.remote import COMMON_OPTIONS, RemoteBackend, byte_batches
 
 if TYPE_CHECKING:
     from typing import Self
@@ -216,8 +216,9 @@ class MooncakeBackend(RemoteBackend):
         sizes = [segments_nbytes(segments) + TRAILER_BYTES for segments in payloads]
         results = [False] * len(keys)
         first = _first_of_each(keys)  # The store fills only one buffer per key and batch.
-        for batch in self._batches([sizes[i] for i in first]):
-            batch = [first[j] for j in batch]
+        fitting = [i for i in first.values() if sizes[i] <= self._staging_bytes]
+        for batch in byte_batches([sizes[i] for i in fitting], self._staging_bytes):
+            batch = [fitting[j] for j in batch]
             with self._arena() as arena:
                 offsets = _offsets([sizes[i] for i in batch])
                 base = arena.ctypes.data
@@ -240,7 +241,7 @@ class MooncakeBackend(RemoteBackend):
             if corrupt:
                 self._remove_corrupt(corrupt)
         for i, key in enumerate(keys):  # Repeated keys: copy what the first one got.
-            j = keys.index(key)
+            j = first[key]
             if j != i and results[j] and sizes[i] == sizes[j]:
                 results[i] = _copy_segments(payloads[j], payloads[i])
         return CompletedTask(results)
@@ -257,13 +258,14 @@ class MooncakeBackend(RemoteBackend):
         """
         sizes = [segments_nbytes(segments) + TRAILER_BYTES for segments in payloads]
         results = self.lookup(keys)
+        first = _first_of_each(keys)
         fits = self._staging_bytes
         missing = [
             i
-            for i in _first_of_each(keys)
+            for i in first.values()
             if not results[i] and sizes[i] - TRAILER_BYTES <= self._capacity and sizes[i] <= fits
         ]
-        for batch in self._batches([sizes[i] for i in missing]):
+        for batch in byte_batches([sizes[i] for i in missing], self._staging_bytes):
             indices = [missing[j] for j in batch]
             with self._arena() as arena:
                 offsets = _offsets([sizes[i] for i in indices])
@@ -280,7 +282,7 @@ class MooncakeBackend(RemoteBackend):
                 for i, code in zip(indices, status, strict=True):
                     results[i] = code == 0
         for i, key in enumerate(keys):  # Repeated keys share the first one's fate.
-            results[i] = results[keys.index(key)]
+            results[i] = results[first[key]]
         self._count_dropped(results.count(False))
         return CompletedTask(results)
 
@@ -310,21 +312,6 @@ class MooncakeBackend(RemoteBackend):
     def _name(self, key: BlockKey) -> str:
         return self._prefix + key.hex()
 
-    def _batches(self, sizes: Sequence[int]) -> Iterator[list[int]]:
-        """Split indices into runs that fit one staging buffer; skip values that never fit."""
-        batch: list[int] = []
-        total = 0
-        for index, size in enumerate(sizes):
-            if size > self._staging_bytes:
-                continue
-            if batch and total + size > self._staging_bytes:
-                yield batch
-                batch, total = [], 0
-            batch.append(index)
-            total += size
-        if batch:
-            yield batch
-
     @contextmanager
     def _arena(self) -> Iterator[numpy.ndarray]:
         arena = self._free.get()
@@ -334,10 +321,7 @@ class MooncakeBackend(RemoteBackend):
             self._free.put(arena)
 
     def _seal_into(self, key: BlockKey, segments: Segments, target: memoryview) -> None:
-        offset = 0
-        for segment in segments:
-            copy_bytes(target[offset : offset + segment.nbytes], segment.cast("B"))
-            offset += segment.nbytes
+        offset = gather(segments, target)
         trailer = self._sealer.seal(key, [target[:offset]])
         target[offset:] = trailer.pack()
 
@@ -394,12 +378,12 @@ class MooncakeBackend(RemoteBackend):
                 return
 
 
-def _first_of_each(keys: Sequence[BlockKey]) -> list[int]:
-    """Return the index of each key's first occurrence, in order."""
-    seen: dict[BlockKey, int] = {}
+def _first_of_each(keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+    """Return each key's first index, in order of first occurrence."""
+    first: dict[BlockKey, int] = {}
     for index, key in enumerate(keys):
-        seen.setdefault(key, index)
-    return list(seen.values())
+        first.setdefault(key, index)
+    return first
 
 
 def _copy_segments(source: Segments, target: Segments) -> bool:

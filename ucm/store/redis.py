@@ -19,7 +19,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
@@ -35,7 +35,7 @@ from ucm.store.base import (
     segments_nbytes,
 )
 from ucm.store.blockfile import read_secret
-from ucm.store.remote import COMMON_OPTIONS, RemoteBackend
+from ucm.store.remote import COMMON_OPTIONS, RemoteBackend, byte_batches
 
 if TYPE_CHECKING:
     from typing import Self
@@ -208,7 +208,7 @@ class RedisBackend(RemoteBackend):
         """
         sizes = [segments_nbytes(segments) for segments in payloads]
         results = [False] * len(keys)
-        for batch in _batches(sizes):
+        for batch in byte_batches(sizes, PIPELINE_BYTES):
             values = self._pipelined("get", [(self._name(keys[i]),) for i in batch])
             if values is None:
                 continue
@@ -237,7 +237,7 @@ class RedisBackend(RemoteBackend):
         sizes = [segments_nbytes(segments) for segments in payloads]
         results = self.lookup(keys)
         missing = [i for i, held in enumerate(results) if not held and sizes[i] <= self._capacity]
-        for batch in _batches([sizes[i] for i in missing]):
+        for batch in byte_batches([sizes[i] for i in missing], PIPELINE_BYTES):
             indices = [missing[j] for j in batch]
             replies = self._pipelined(
                 "set",
@@ -332,20 +332,6 @@ class RedisBackend(RemoteBackend):
         except redis.RedisError as exc:
             self._warn("ucm: redis server %s failed: %s; blocks are misses", self._url, exc)
         return None
-
-
-def _batches(sizes: Sequence[int]) -> Iterator[list[int]]:
-    """Split indices into runs of at most :data:`PIPELINE_BYTES` (at least one each)."""
-    batch: list[int] = []
-    total = 0
-    for index, size in enumerate(sizes):
-        if batch and total + size > PIPELINE_BYTES:
-            yield batch
-            batch, total = [], 0
-        batch.append(index)
-        total += size
-    if batch:
-        yield batch
 
 
 def _redacted(url: str) -> str:

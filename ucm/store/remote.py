@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 from ucm.store.base import Backend, BlockKey, Capabilities
@@ -67,3 +67,24 @@ class RemoteBackend(Backend):
             self.corrupt_blocks += len(keys)
         logger.warning("ucm: %d damaged blocks on %s removed", len(keys), self._server)
         self.delete(keys)
+
+
+def byte_batches(sizes: Sequence[int], limit: int) -> Iterator[list[int]]:
+    """Split indices into consecutive runs of at most ``limit`` bytes (one per round trip).
+
+    A value larger than ``limit`` gets a run of its own.
+
+    Args:
+        sizes: Bytes of each value, in order.
+        limit: Bytes one run may hold.
+    """
+    batch: list[int] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if batch and total + size > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(index)
+        total += size
+    if batch:
+        yield batch

@@ -203,12 +203,11 @@ class UCMScheduler:
         if num_external_tokens <= 0:
             return
         state.block_ids = list(blocks.get_block_ids()[0])
-        first = state.lookup_computed_tokens // self._block_size
-        count = -(-num_external_tokens // self._block_size)
-        if first + count > len(state.hit_tiers) or first + count > len(state.block_ids):
+        loaded = self._loaded_blocks(state, num_external_tokens)
+        if loaded.stop > len(state.hit_tiers) or loaded.stop > len(state.block_ids):
             logger.warning("ucm: dropping inconsistent load plan for %s", request.request_id)
             return
-        state.pending_load = range(first, first + count)
+        state.pending_load = loaded
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UCMConnectorMetadata:
         """Turn this step's decisions into the worker half's instructions."""
@@ -261,14 +260,16 @@ class UCMScheduler:
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return {}
-        first = state.lookup_computed_tokens // self._block_size
-        count = -(-num_external_tokens // self._block_size)
+        loaded = self._loaded_blocks(state, num_external_tokens)
+        tiers = state.hit_tiers[loaded.start : loaded.stop]
+        if not tiers:
+            return {}
         sources: dict[str, int] = {}
-        for tier in state.hit_tiers[first : first + count]:
+        for tier in tiers:
             medium = self._media[tier]
             sources[medium] = sources.get(medium, 0) + self._block_size
         if sum(sources.values()) != num_external_tokens:  # A partial block: trim the last.
-            medium = self._media[state.hit_tiers[first + count - 1]]
+            medium = self._media[tiers[-1]]
             sources[medium] -= sum(sources.values()) - num_external_tokens
         return {medium: tokens for medium, tokens in sources.items() if tokens > 0}
 
@@ -298,10 +299,14 @@ class UCMScheduler:
         possible = (state.request.num_tokens - 1) // self._block_size * self._block_size
         stats.count("query_tokens", max(possible - state.lookup_computed_tokens, 0))
         stats.count("hit_tokens", num_external_tokens)
-        first = state.lookup_computed_tokens // self._block_size
-        count = -(-num_external_tokens // self._block_size)
-        for tier in state.hit_tiers[first : first + count]:
+        loaded = self._loaded_blocks(state, num_external_tokens)
+        for tier in state.hit_tiers[loaded.start : loaded.stop]:
             stats.count(f"hit_tokens|{self._tier_names[tier]}", self._block_size)
+
+    def _loaded_blocks(self, state: _RequestState, num_external_tokens: int) -> range:
+        """Return the indices of the blocks ucm loads for ``num_external_tokens`` tokens."""
+        first = state.lookup_computed_tokens // self._block_size
+        return range(first, first - (-num_external_tokens // self._block_size))
 
     def _state(self, request: Request) -> _RequestState | None:
         state = self._requests.get(request.request_id)
