@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--documents", type=int, default=4, help="e2e: documents")
     bench.add_argument("--document-tokens", type=int, default=2048, help="e2e: tokens each")
     bench.add_argument(
+        "--systems",
+        nargs="+",
+        metavar="NAME",
+        help="e2e: run only these systems (names as in the report, e.g. 'ucm posix')",
+    )
+    bench.add_argument(
         "--scratch",
         type=Path,
         default=Path(".bench"),
@@ -107,7 +113,15 @@ def run_e2e_bench(workdir: Path, results: Path, args: argparse.Namespace) -> int
 
     preset = getattr(model, MODEL_PRESETS[args.model])
     workload = e2e.Workload(documents=args.documents, document_tokens=args.document_tokens)
-    measured = e2e.run(preset, workload, workdir.absolute())
+    systems: tuple[e2e.System, ...] = e2e.SYSTEMS
+    if args.systems:
+        known = {system.name: system for system in e2e.SYSTEMS}
+        unknown = [name for name in args.systems if name not in known]
+        if unknown:
+            print(f"--systems: unknown {unknown[0]!r}; known: {sorted(known)}", file=sys.stderr)
+            return 2
+        systems = tuple(known[name] for name in args.systems)
+    measured = e2e.run(preset, workload, workdir.absolute(), systems)
     _write_report(results, "e2e", measured, e2e.markdown(measured))
     if e2e.plot(measured, results / "e2e-ttft.png"):
         print(f"plot: {results / 'e2e-ttft.png'}")

@@ -23,12 +23,11 @@ from ucm.eviction import DEFAULT_POLICY, POLICIES
 CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
 """The inline key whose value is the path of a YAML configuration file."""
 
-_TOP_LEVEL_KEYS = frozenset(
-    {"tiers", "model_id", "max_pending_write_bytes", "io_threads", "in_place", "async_load"}
-)
+_FLAGS = {"in_place": True, "async_load": False, "async_save": False}
+"""Boolean settings and their defaults."""
+_TOP_LEVEL_KEYS = frozenset({"tiers", "model_id", "max_pending_write_bytes", "io_threads", *_FLAGS})
 _DEFAULT_MAX_PENDING_WRITE_BYTES = 512 << 20
 _DEFAULT_IO_THREADS = 4
-_FLAGS = {"in_place": True, "async_load": False}  # Boolean settings and their defaults.
 _TIER_COMMON_KEYS = frozenset({"backend", "capacity", "eviction"})
 _SIZE_UNITS = {
     "": 1,
@@ -94,6 +93,14 @@ class UCMConfig:
     does when ``kv_connector`` is ``UCMConnector``; leave it off under a wrapper
     connector that does not forward ``get_finished`` (such a request would never
     resume)."""
+    async_save: bool = False
+    """Write saved blocks to persistent tiers straight from vLLM's KV pages in the
+    background, with no copy out of the pages within the step: vLLM keeps a finished
+    request's blocks until their writes are done (``request_finished`` returns True and
+    ``get_finished`` reports the request), and a preempted request's blocks are reused
+    only once their writes are done (``handle_preemptions``). Needs vLLM to call those
+    two hooks, which it does when ``kv_connector`` is ``UCMConnector``; leave it off
+    under a wrapper connector that does not forward them (blocks would never be freed)."""
 
 
 def default_cache_dir() -> Path:

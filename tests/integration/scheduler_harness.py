@@ -167,8 +167,12 @@ class Harness:
 
         Args:
             step: The step to answer.
-            kv_output: What the workers' connectors report (finished loads, failed blocks).
+            kv_output: What the workers' connectors report (finished loads, failed
+                blocks). By default, the finished requests the step releases
+                (``async_save``), as workers whose writes are all done would.
         """
+        if kv_output is None and step.meta.release:
+            kv_output = KVConnectorOutput(finished_sending=set(step.meta.release))
         req_ids = list(step.output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

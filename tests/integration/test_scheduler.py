@@ -447,3 +447,69 @@ def test_kv_events_name_ucm_blocks_like_vllm_names_its_own(tiny_model: str) -> N
     removed = [h for e in ours if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert len(removed) == 2
     assert set(removed) <= {e.block_hashes[0] for e in stored[:3]}
+
+
+def test_async_save_keeps_blocks_until_the_worker_reports_them_written(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    num_blocks = 24  # 23 usable: four requests cannot all finish without a preemption.
+    h = make_harness(
+        tiny_model,
+        posix_tiers(tmp_path / "store"),
+        num_blocks=num_blocks,
+        settings={"async_save": True},
+    )
+    held = h.add("held", prompt(3 * BLOCK + 5, seed=50), max_tokens=2)
+    first = h.schedule()
+    assert first.saved("held") == [0, 1, 2]
+    assert first.meta.sending == ["held"]
+    h.update(first)
+    h.update(h.schedule())  # The second token: the request finishes.
+    assert held.is_finished()
+    assert "held" in h.scheduler.requests  # vLLM keeps its blocks for the writes.
+    assert h.free_blocks() == num_blocks - 1 - 4
+
+    waiting = h.schedule()
+    assert waiting.meta.release == ["held"]
+    h.update(waiting, KVConnectorOutput())  # The writes are not done yet.
+    assert "held" in h.scheduler.requests
+    h.update(h.schedule(), KVConnectorOutput(finished_sending={"held"}))
+    assert "held" not in h.scheduler.requests
+    h.assert_no_leaks()
+
+    names = [f"long-{n}" for n in range(4)]
+    for seed, name in enumerate(names, start=60):
+        h.add(name, prompt(4 * BLOCK + 10, seed=seed), max_tokens=60)
+    h.run()  # The simulated workers report each released request at once.
+    assert sum(h.requests[name].num_preemptions for name in names) > 0
+    saved: set[str] = set()
+    for step in h.steps:
+        preempted = step.output.preempted_req_ids or set()
+        assert set(step.meta.preempted) == preempted & saved
+        saved |= set(step.meta.sending)
+    assert any(step.meta.preempted for step in h.steps)
+    h.assert_no_leaks()
+
+
+def test_request_aborted_while_it_loads_in_the_background_keeps_its_blocks(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    num_blocks = 64
+    h = make_harness(
+        tiny_model,
+        posix_tiers(tmp_path / "store"),
+        num_blocks=num_blocks,
+        settings={"async_load": True},
+    )
+    tokens = prompt(8 * BLOCK + 5, seed=41)
+    h.put(h.chain(tokens)[:6])
+    h.add("waits", tokens, max_tokens=3)
+    first = h.schedule()
+    assert len(first.meta.async_loads["waits"]) == 6
+    h.update(first)
+
+    h.scheduler.finish_requests("waits", RequestStatus.FINISHED_ABORTED)
+    assert "waits" in h.scheduler.requests  # The worker still reads into its blocks.
+    assert h.free_blocks() < num_blocks - 1
+    h.update(h.schedule(), KVConnectorOutput(finished_recving={"waits"}))
+    h.assert_no_leaks()

@@ -89,6 +89,7 @@ def test_inline_keys_override_the_file(tmp_path: Path) -> None:
         ({"model_id": 3}, "model_id: expected a string"),
         ({"io_threads": 0}, "io_threads: expected a positive integer, got 0"),
         ({"in_place": "no"}, "in_place: expected true or false, got 'no'"),
+        ({"async_save": 1}, "async_save: expected true or false, got 1"),
         ({"io_threads": "4"}, "io_threads: expected a positive integer, got '4'"),
         ({"UCM_CONFIG_FILE": "/nonexistent/ucm.yaml"}, "UCM_CONFIG_FILE: cannot read"),
     ],

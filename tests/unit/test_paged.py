@@ -99,3 +99,19 @@ def test_staging_pool_reuses_released_tensors() -> None:
     pool.release(first)
     assert pool.acquire(3) is first  # Large enough: reused, no fresh pages.
     assert tuple(pool.acquire(8).shape) == (8, 64)
+
+
+def test_staging_pool_hands_out_the_smallest_fit_and_stays_bounded() -> None:
+    pool = StagingPool(block_bytes=16, pin=False)
+    small, large = pool.acquire(2), pool.acquire(10)
+    pool.release(large)
+    pool.release(small)
+    assert pool.acquire(2) is small  # Not the large one, which a large step needs next.
+    assert pool.acquire(9) is large
+    # Steps that each need a few more rows than any free tensor has: without a bound
+    # the pool would keep every one of them.
+    held = [pool.acquire(count) for count in range(1, 11)]
+    for tensor in held:
+        pool.release(tensor)
+    assert pool.free_rows() <= 2 * 10
+    assert pool.acquire(10).shape[0] == 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from ucm.store.dram import DramBackend
@@ -42,4 +43,41 @@ def test_a_raising_backend_is_a_miss_not_an_error() -> None:
     reads = [BlockRead(make_key(i), 0, payload) for i, payload in enumerate(views(buffers))]
     assert reader.start([_RaisingBackend(1 << 20), good], reads).wait() == [True, False]
     assert buffers[0] == make_payload(0, 10)
+    reader.close()
+
+
+class _RecordsThreads:
+    """Remembers the threads ``load`` ran on."""
+
+    threads: set[str]
+
+    def load(self, keys, payloads):  # type: ignore[no-untyped-def]
+        self.threads.add(threading.current_thread().name)
+        return super().load(keys, payloads)  # type: ignore[misc]
+
+
+class _ThreadRecordingDram(_RecordsThreads, DramBackend):
+    pass
+
+
+class _ThreadRecordingPosix(_RecordsThreads, PosixBackend):
+    pass
+
+
+def test_memory_copies_run_in_the_caller_and_disk_reads_on_the_pool(tmp_path: Path) -> None:
+    dram, posix = _ThreadRecordingDram(1 << 20), _ThreadRecordingPosix(tmp_path, 1 << 20)
+    dram.threads, posix.threads = set(), set()
+    keys = [make_key(i) for i in range(8)]
+    dram.dump(keys[:4], views([make_payload(i, 100) for i in range(4)])).wait()
+    posix.dump(keys[4:], views([make_payload(i, 100) for i in range(4, 8)])).wait()
+    buffers = [make_buffer(100) for _ in keys]
+    reads = [
+        BlockRead(key, 0 if i < 4 else 1, payload)
+        for i, (key, payload) in enumerate(zip(keys, views(buffers), strict=True))
+    ]
+    reader = BlockReader(threads=2)
+    assert reader.start([dram, posix], reads).wait() == [True] * 8
+    assert buffers == [make_payload(i, 100) for i in range(8)]
+    assert dram.threads == {threading.current_thread().name}
+    assert posix.threads and all(name.startswith("ucm-reader") for name in posix.threads)
     reader.close()

@@ -9,6 +9,7 @@ served from a cache (``num_cached_tokens``) and the time to first token.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -80,6 +81,9 @@ class EngineSpec:
     each bound to its own core (the CPU backend needs that binding)."""
     attention_backend: str | None = None
     """vLLM's attention backend by name (e.g. ``CPU_MLA``); None lets vLLM choose."""
+    imports: list[str] = field(default_factory=list)
+    """Modules the engine process imports before it starts the engine (tests register
+    backends with them, or break ucm on purpose for a negative control)."""
 
 
 @dataclass
@@ -123,9 +127,8 @@ def start_engine(spec: EngineSpec, workdir: Path) -> subprocess.Popen[str]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "spec.json").write_text(json.dumps(asdict(spec)))
     env = {**os.environ, **ENGINE_ENV, **spec.env}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.multiprocessing else "0"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if _in_process(spec) else "1"
     if spec.tensor_parallel_size > 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         cores = os.cpu_count() or 1
         bind = "|".join(str(rank % cores) for rank in range(spec.tensor_parallel_size))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
@@ -158,6 +161,8 @@ def _serve(workdir: Path) -> None:
     raw = json.loads((workdir / "spec.json").read_text())
     phases = [Phase(**phase) for phase in raw.pop("phases")]
     spec = EngineSpec(phases=phases, **raw)
+    for module in spec.imports:
+        importlib.import_module(module)
     transfer = KVTransferConfig(**spec.kv_transfer_config) if spec.kv_transfer_config else None
     llm = LLM(
         model=spec.model,
@@ -189,7 +194,7 @@ def _serve(workdir: Path) -> None:
         phase_started = time.perf_counter()
         for batch in batches:
             if phase.reset_before_each:
-                llm.reset_prefix_cache()
+                reset_prefix_cache(llm, in_process=_in_process(spec))
             requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in batch]
             started = time.perf_counter()
             outputs = llm.generate(requests, params, use_tqdm=False)
@@ -208,6 +213,36 @@ def _serve(workdir: Path) -> None:
         if phase.signal:
             Path(phase.signal).touch()
     (workdir / "result.json").write_text(json.dumps(results))
+
+
+def _in_process(spec: EngineSpec) -> bool:
+    """Whether vLLM's scheduler and worker run in the engine process itself."""
+    return not spec.multiprocessing and spec.tensor_parallel_size == 1
+
+
+def reset_prefix_cache(llm: Any, in_process: bool, timeout: float = 60.0) -> None:
+    """Empty vLLM's prefix cache once no finished request holds blocks any more.
+
+    With ``async_save`` ucm keeps a finished request's blocks until their writes are
+    done, and vLLM resets its cache only when no block is in use.
+
+    Args:
+        llm: The ``vllm.LLM``.
+        in_process: Whether its scheduler and worker run in this process (then this
+            steps the engine itself; otherwise its own loop does).
+        timeout: Seconds to wait before giving up.
+
+    Raises:
+        RuntimeError: Blocks stayed in use for ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be reset: blocks stay in use")
+        if in_process:
+            llm.llm_engine.step()  # Lets the connector report the finished writes.
+        else:
+            time.sleep(0.01)
 
 
 def _flush_connector() -> None:

@@ -10,7 +10,8 @@ byte in a random stored block now and then. It prints and writes ``soak.json``:
 requests, wrong outputs, prompt tokens served by ucm, corruptions injected, load
 failures vLLM recovered from, resident memory over the run, open file descriptors
 before and after, and whether vLLM's and ucm's schedulers ended empty.
-``--eviction s3fifo`` selects the tiers' eviction policy; ``--without-ucm`` runs the
+``--eviction s3fifo`` selects the tiers' eviction policy, ``--async-save`` writes
+``posix`` from the KV pages (blocks held until written); ``--without-ucm`` runs the
 same requests with no connector, to compare memory figures against.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.eviction import DEFAULT_POLICY, POLICIES
-from ucm.testing.engine import ENGINE_ENV, EngineSpec, Phase, run_engine
+from ucm.testing.engine import ENGINE_ENV, EngineSpec, Phase, reset_prefix_cache, run_engine
 from ucm.testing.model import TINY, build_model, make_prompt_token_ids
 
 DOCUMENTS, QUESTIONS, DOCUMENT_TOKENS, QUESTION_TOKENS = 12, 6, 300, 40
@@ -50,7 +51,7 @@ def prompt_pool() -> list[list[int]]:
     return pool
 
 
-def transfer_config(store: Path, eviction: str) -> dict[str, Any]:
+def transfer_config(store: Path, eviction: str, async_save: bool = False) -> dict[str, Any]:
     """ucm with both tiers far smaller than the pool's KV (about 9 MiB on the tiny model)."""
     tiers = [
         {"backend": "dram", "capacity": "2MiB", "eviction": eviction},
@@ -59,7 +60,7 @@ def transfer_config(store: Path, eviction: str) -> dict[str, Any]:
     return {
         "kv_connector": "UCMConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"tiers": tiers},
+        "kv_connector_extra_config": {"tiers": tiers, "async_save": async_save},
         "kv_load_failure_policy": "recompute",
     }
 
@@ -82,7 +83,9 @@ def serve(workdir: Path, model: str, args: argparse.Namespace) -> dict[str, Any]
         block_size=32,
         kv_cache_memory_bytes=16 << 20,
         kv_transfer_config=(
-            None if args.without_ucm else KVTransferConfig(**transfer_config(store, args.eviction))
+            None
+            if args.without_ucm
+            else KVTransferConfig(**transfer_config(store, args.eviction, args.async_save))
         ),
     )
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -96,7 +99,7 @@ def serve(workdir: Path, model: str, args: argparse.Namespace) -> dict[str, Any]
     started = time.perf_counter()
     while done < requests:
         if batches % RESET_EVERY == 0:
-            llm.reset_prefix_cache()
+            reset_prefix_cache(llm, in_process=True)
         if corrupt_every and batches % corrupt_every == 0:
             corrupted += _corrupt_one(store, rng)
         chosen = [rng.randrange(len(pool)) for _ in range(min(BATCH, requests - done))]
@@ -110,6 +113,7 @@ def serve(workdir: Path, model: str, args: argparse.Namespace) -> dict[str, Any]
         batches += 1
         if batches % 10 == 1:
             rss.append(_rss_bytes())
+    reset_prefix_cache(llm, in_process=True)  # Also lets every held request go.
     elapsed = time.perf_counter() - started
     engine = llm.llm_engine
     return {
@@ -123,6 +127,7 @@ def serve(workdir: Path, model: str, args: argparse.Namespace) -> dict[str, Any]
         "fds_before": fds_before,
         "fds_after": len(os.listdir("/proc/self/fd")),
         "vllm_unfinished_requests": engine.get_num_unfinished_requests(),
+        "vllm_requests_held": len(_scheduler(engine).requests),
         "ucm_tracked_requests": _ucm_tracked(engine),
     }
 
@@ -144,11 +149,14 @@ def _corrupt_one(store: Path, rng: random.Random) -> int:
     return 1
 
 
+def _scheduler(engine: Any) -> Any:
+    """Return vLLM's scheduler of an in-process engine."""
+    return engine.engine_core.engine_core.scheduler
+
+
 def _ucm_tracked(engine: Any) -> int | None:
-    """Return how many requests ucm's scheduler half still tracks, where reachable."""
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    connector = getattr(getattr(core, "scheduler", None), "connector", None)
-    tracked = getattr(connector, "tracked_requests", None)
+    """Return how many requests ucm's scheduler half still tracks, where it runs."""
+    tracked = getattr(_scheduler(engine).connector, "tracked_requests", None)
     return len(tracked()) if tracked is not None else None
 
 
@@ -180,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--eviction", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     parser.add_argument(
+        "--async-save", action="store_true", help="write posix straight from the KV pages"
+    )
+    parser.add_argument(
         "--without-ucm", action="store_true", help="the same run with no connector (a control)"
     )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
@@ -199,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     command += ["--requests", str(args.requests), "--seed", str(args.seed)]
     command += ["--corrupt-every", str(args.corrupt_every), "--eviction", args.eviction]
     command += ["--without-ucm"] if args.without_ucm else []
+    command += ["--async-save"] if args.async_save else []
     with (workdir / "soak.log").open("w") as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:

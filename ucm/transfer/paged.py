@@ -172,13 +172,17 @@ class StagingPool:
     """Reusable host staging tensors (pinned when the KV is on a GPU).
 
     A step's loads return theirs at once; a step's saves keep theirs until their
-    background writes finish. Reusing tensors avoids faulting in fresh pages each step.
+    background writes finish. Reusing tensors avoids faulting in fresh pages (or
+    pinning them) each step. Each request gets the smallest free tensor that fits, and
+    free tensors beyond twice the largest one ever handed out are dropped, smallest
+    first, so the pool stays near the largest step's needs however steps vary.
     """
 
     def __init__(self, block_bytes: int, pin: bool) -> None:
         self._block_bytes = block_bytes
         self._pin = pin
         self._free: list[torch.Tensor] = []
+        self._largest = 0  # Rows of the largest tensor handed out so far.
         self._lock = threading.Lock()
 
     def acquire(self, count: int) -> torch.Tensor:
@@ -187,15 +191,24 @@ class StagingPool:
         Nobody else uses it until it is given back with :meth:`release`.
         """
         with self._lock:
-            for index, tensor in enumerate(self._free):
-                if tensor.shape[0] >= count:
-                    return self._free.pop(index)
+            fits = [i for i, tensor in enumerate(self._free) if tensor.shape[0] >= count]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].shape[0]))
+            self._largest = max(self._largest, count)
         return torch.empty((count, self._block_bytes), dtype=torch.uint8, pin_memory=self._pin)
 
     def release(self, tensor: torch.Tensor) -> None:
         """Give back a tensor from :meth:`acquire` (callable from any thread)."""
         with self._lock:
             self._free.append(tensor)
+            self._free.sort(key=lambda kept: kept.shape[0])
+            while sum(kept.shape[0] for kept in self._free) > 2 * self._largest:
+                del self._free[0]
+
+    def free_rows(self) -> int:
+        """Return the rows the pool keeps for reuse."""
+        with self._lock:
+            return sum(tensor.shape[0] for tensor in self._free)
 
 
 def row_payloads(rows: torch.Tensor) -> list[list[memoryview]]:

@@ -2,10 +2,11 @@
 
 The worker starts a step's reads before the forward pass and waits for them only
 when the first layer needs its KV, so reading overlaps whatever runs in between.
-Reads run on a bounded thread pool: each tier's share of the step is split into one
-batch per thread, so file reads (and copies that release the GIL) proceed in
-parallel. A block that its planned tier cannot serve is then tried in every other
-tier, in tier order; only blocks no tier can serve are reported as failed.
+Reads from disk and remote tiers run on a bounded thread pool: each tier's share of
+the step is split into one batch per thread, so they proceed in parallel. Reads from
+in-memory tiers are memory copies and run at once in the calling thread. A block
+that its planned tier cannot serve is then tried in every other tier, in tier order;
+only blocks no tier can serve are reported as failed.
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ class BlockReader:
             by_tier[read.tier].append(index)
         batches = []
         for tier, indices in by_tier.items():
+            if tiers[tier].capabilities.medium == "memory":
+                # A memory copy gains nothing from other threads: handing it over only
+                # adds the wait for them to get a core (vLLM's compute threads spin).
+                done: Future[list[bool]] = Future()
+                done.set_result(_read(tiers[tier], reads, indices))
+                batches.append((indices, done))
+                continue
             size = -(-len(indices) // self._threads)
             for start in range(0, len(indices), size):
                 batch = indices[start : start + size]

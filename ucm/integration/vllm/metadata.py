@@ -61,7 +61,16 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     async_loads: dict[str, list[BlockLoad]] = field(default_factory=dict)
     """Per request waiting for its KV, blocks to load in the background; the worker
     reports the request through ``get_finished`` once they are in place."""
+    sending: list[str] = field(default_factory=list)
+    """Requests whose saves this step are written to persistent tiers straight from
+    their KV pages in the background (``async_save``)."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests of ``sending`` that vLLM preempted: their pages may be reused only once
+    their writes are done."""
+    release: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps until the worker reports them through
+    ``get_finished`` (finished sending), once their writes from the pages are done."""
 
     def is_empty(self) -> bool:
         """Return whether the step has nothing for the worker to do."""
-        return not (self.evictions or self.loads or self.saves or self.async_loads)
+        return not (self.evictions or self.loads or self.saves or self.async_loads or self.release)

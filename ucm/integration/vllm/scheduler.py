@@ -122,6 +122,10 @@ class UCMScheduler:
                 policy = make_policy(tier.eviction)
                 self._tiers.append(MirroredTier(tier.capacity // block_bytes, policy))
         self._async_load = config.async_load
+        self._async_save = config.async_save
+        self._persistent = [
+            backend_class(tier.backend).capabilities.persistent for tier in config.tiers
+        ]
         self._tier_names = [tier_name(i, tier) for i, tier in enumerate(config.tiers)]
         self._media = [backend_class(tier.backend).capabilities.medium for tier in config.tiers]
         self.stats = StatsRecorder()
@@ -136,6 +140,11 @@ class UCMScheduler:
         # Requests finished since the last connector output: vLLM fails a request for
         # a bad load (policy "fail") before it reports the bad blocks.
         self._just_finished: list[_RequestState] = []
+        # Requests whose saves may be written from their pages in the background
+        # (async_save), and those whose loads run in the background (async_load).
+        self._sending: set[str] = set()
+        self._receiving: set[str] = set()
+        self._to_release: list[str] = []  # Finished, held for their saves; tell the worker.
         self._steps = itertools.count(1)
         self._failed: OrderedDict[BlockKey, float] = OrderedDict()  # Key -> offer again after.
         self._failure_epoch = 0  # Steps whose failed loads were reported so far.
@@ -172,6 +181,7 @@ class UCMScheduler:
         Args:
             output: What the workers reported this step; only its failed blocks matter.
         """
+        self._receiving.difference_update(output.finished_recving or ())
         invalid = output.invalid_block_ids
         just_finished, self._just_finished = self._just_finished, []
         if not invalid:
@@ -227,12 +237,15 @@ class UCMScheduler:
             loads = self._plan_load(state, indices, step)
             if state.load_async:
                 meta.async_loads[state.request.request_id] = loads
+                self._receiving.add(state.request.request_id)
             else:
                 meta.loads.extend(loads)
             used.append(state.chain.keys[: indices.stop])
             state.pending_load = None
         if self._save_enabled:
             meta.saves.extend(self._plan_saves(scheduler_output, step, used, meta.tables))
+        if self._async_save:
+            self._hold_for_saves(meta, scheduler_output)
         # A chain is useless past its first missing block, so eviction must eat tails
         # first: touch each chain used this step from tail to head (head most recent).
         for keys in used:
@@ -277,11 +290,27 @@ class UCMScheduler:
         """Return the KV events since the last call (none unless vLLM's events are on)."""
         return self._events.take() if self._events is not None else []
 
-    def request_finished(self, request: Request) -> None:
-        """Forget a finished request (its saves completed within its steps)."""
-        state = self._requests.pop(request.request_id, None)
+    def request_finished(self, request: Request) -> bool:
+        """Forget a finished request; return whether vLLM must keep its blocks until the
+        worker reports the request sent, because saves may still be written from its
+        pages (``async_save``).
+
+        A request whose loads still run in the background is not held: vLLM itself
+        keeps its blocks until the worker reports it loaded, and it has written
+        nothing since its last preemption waited for its writes.
+        """
+        request_id = request.request_id
+        state = self._requests.pop(request_id, None)
         if state is not None:
             self._just_finished.append(state)
+        if request_id in self._receiving:
+            self._sending.discard(request_id)
+            return False
+        if request_id in self._sending:
+            self._sending.discard(request_id)
+            self._to_release.append(request_id)
+            return True
+        return False
 
     def close(self) -> None:
         """Stop the tier views' background work."""
@@ -289,8 +318,20 @@ class UCMScheduler:
             view.close()
 
     def tracked_requests(self) -> frozenset[str]:
-        """Return the ids of requests this half holds state for."""
-        return frozenset(self._requests)
+        """Return the ids of requests this half holds state for (live or held)."""
+        return frozenset(self._requests).union(self._sending, self._receiving)
+
+    def _hold_for_saves(self, meta: UCMConnectorMetadata, output: SchedulerOutput) -> None:
+        """Mark the requests whose saves go to persistent tiers as sending (``async_save``)."""
+        sending = {
+            save.request_id
+            for save in meta.saves
+            if any(self._persistent[tier] for tier in save.tiers)
+        }
+        self._sending.update(sending)
+        meta.sending = sorted(sending)
+        meta.preempted = sorted(self._sending.intersection(output.preempted_req_ids or ()))
+        meta.release, self._to_release = self._to_release, []
 
     def _record_lookup(self, state: _RequestState, num_external_tokens: int) -> None:
         """Count a request's lookup once it is scheduled (vLLM may ask several times)."""

@@ -3,9 +3,12 @@
 The scheduler role builds :class:`~ucm.integration.vllm.scheduler.UCMScheduler`
 (lookup, placement, per-step metadata; never touches tensors); the worker role
 builds :class:`~ucm.integration.vllm.worker.UCMWorker` (moves blocks; never decides
-eviction). Saves complete within the step that computed the blocks, so
-``request_finished`` never holds blocks back, which keeps ucm exact and leak-free
-also under platform wrappers that forward only part of this interface.
+eviction). By default saves are copied out of the paged buffer within the step that
+computed the blocks, so ``request_finished`` holds no blocks back, which keeps ucm
+exact and leak-free also under platform wrappers that forward only part of this
+interface. ``async_save`` holds blocks of finished requests until ``get_finished``
+reports them, and ``async_load`` resumes requests from it: both need vLLM to call
+every hook.
 """
 
 from __future__ import annotations
@@ -146,11 +149,16 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker_half().clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Report the requests whose background loads are now in place.
+        """Report the finished requests whose writes from their pages are done
+        (``async_save``), and the requests whose background loads are in place."""
+        worker = self._worker_half()
+        return worker.take_finished_sends() or None, worker.take_finished_loads() or None
 
-        Saves never hold a request's blocks past its step, so none is reported as sent.
-        """
-        return None, self._worker_half().take_finished_loads() or None
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Wait for the writes from the pages of preempted requests, which vLLM is
+        about to reuse (``async_save``)."""
+        assert isinstance(kv_connector_metadata, UCMConnectorMetadata)
+        self._worker_half().wait_for_sends(kv_connector_metadata.preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Return the blocks whose load failed since the last call."""
@@ -192,9 +200,9 @@ class UCMConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its blocks may be freed at once."""
-        self._scheduler_half().request_finished(request)
-        return False, None
+        """Forget the request; return whether vLLM must keep its blocks until
+        ``get_finished`` reports it sent (``async_save`` writes from its pages)."""
+        return self._scheduler_half().request_finished(request), None
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

@@ -11,7 +11,9 @@ or eviction. Per step:
   layer; until then, and under wrappers that never call it, loads finish before the
   forward pass starts;
 - copy saved blocks out as the forward pass writes them, and write them to their
-  tiers: in-memory tiers at once, persistent ones in the background;
+  tiers: in-memory tiers at once, persistent ones in the background (with
+  ``async_save``, persistent tiers are written straight from the pages, which vLLM
+  keeps until ``get_finished`` reports the request sent);
 - read the blocks of requests that wait for their KV (``async_load``) in the
   background, and report each request through ``get_finished`` once its blocks are
   in place.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -132,6 +134,11 @@ class UCMWorker:
         self._background: dict[str, _Reads] = {}  # Requests waiting for their loads.
         self._finished_loads: set[str] = set()  # Requests to report through get_finished.
         self._background_seen = False  # Whether a background load was started (logged once).
+        # Background writes from the pages of each request (async_save), and the
+        # finished requests to report once theirs are done.
+        self._sends: Counter[str] = Counter()
+        self._sends_done = threading.Condition()
+        self._releasing: set[str] = set()
         self.stats = StatsRecorder()
         """Transfers and errors since vLLM last took them (``get_kv_connector_stats``)."""
         transfer = vllm_config.kv_transfer_config
@@ -169,9 +176,14 @@ class UCMWorker:
         self._waited = set()
         self._gathered = set()
         self._save_block_ids = None
+        self._releasing.update(meta.release)
+        self.wait_for_sends(meta.preempted)  # Normally done already (handle_preemptions).
         persistent = {t for t, tier in enumerate(self._tiers) if tier.capabilities.persistent}
+        from_pages = set(meta.sending) if self._in_place else set()
         self._stage_saves = any(
-            not self._in_place or persistent.intersection(save.tiers) for save in meta.saves
+            not self._in_place
+            or (persistent.intersection(save.tiers) and save.request_id not in from_pages)
+            for save in meta.saves
         )
 
     def clear(self) -> None:
@@ -221,9 +233,9 @@ class UCMWorker:
     def save_kv_layer(self, layer_name: str) -> None:
         """Copy this layer's pages of the blocks being saved, now that it wrote them.
 
-        Only needed where the saves go through staging rows: for persistent tiers,
-        which are written after the paged blocks may have been reused, and where the
-        pages are not contiguous host memory.
+        Only needed where the saves go through staging rows: where the pages are not
+        contiguous host memory, and for persistent tiers written after the paged
+        blocks may have been reused (all of them unless ``async_save``).
         """
         saves = self._meta.saves
         if not self._stage_saves or self._paged is None or self._staging is None:
@@ -243,9 +255,9 @@ class UCMWorker:
 
         In-memory tiers are written now, from the pages themselves where they are
         contiguous host memory; persistent tiers (disk, remote) in the background,
-        from staging rows that stay reserved until their writes finish. The paged
-        blocks are free for vLLM to reuse when this returns. A ``kv_producer`` (a
-        prefill instance) waits for its persistent writes too, so that its response
+        from staging rows that stay reserved until their writes finish, or with
+        ``async_save`` from the pages, which vLLM keeps for as long. A ``kv_producer``
+        (a prefill instance) waits for its persistent writes too, so that its response
         never reaches a decode instance before the KV is in the store.
         """
         self._finish_load()
@@ -267,19 +279,24 @@ class UCMWorker:
                     by_tier[tier].append(index)
         background = [t for t in by_tier if self._tiers[t].capabilities.persistent]
         in_memory = [t for t in by_tier if t not in background]
-        if in_memory:
-            payloads = staged or self._paged.block_pages([save.block_id for save in saves])
-            for tier in in_memory:
-                indices = by_tier[tier]
-                self._write(tier, [saves[i].key for i in indices], [payloads[i] for i in indices])
+        sending = set(self._meta.sending)
         self._meta = UCMConnectorMetadata()
-        if rows is None:
+        if not by_tier:
+            if rows is not None:
+                self._staging.release(rows)
             return
+        payloads = staged or self._paged.block_pages([save.block_id for save in saves])
+        for tier in in_memory:
+            indices = by_tier[tier]
+            self._write(tier, [saves[i].key for i in indices], [payloads[i] for i in indices])
         if not background:
-            self._staging.release(rows)
+            if rows is not None:
+                self._staging.release(rows)
             return
-        assert staged is not None
-        self._write_behind(saves, rows, staged, {tier: by_tier[tier] for tier in background})
+        assert rows is not None or all(
+            saves[i].request_id in sending for t in background for i in by_tier[t]
+        ), "persistent saves from the pages of a request vLLM does not keep"
+        self._write_behind(saves, payloads, {tier: by_tier[tier] for tier in background}, rows)
         if self._publish_each_step:
             self._writer.flush()
 
@@ -338,6 +355,22 @@ class UCMWorker:
         errors, self._load_errors = self._load_errors, set()
         self.stats.count("errors|load_failed", len(errors))
         return errors
+
+    def take_finished_sends(self) -> set[str]:
+        """Return the finished requests whose writes from their pages are all done.
+
+        vLLM keeps their blocks until they are reported here (``async_save``).
+        """
+        with self._sends_done:
+            done = {r for r in self._releasing if not self._sends[r]}
+            self._releasing -= done
+        return done
+
+    def wait_for_sends(self, request_ids: Sequence[str]) -> None:
+        """Block until no write from the pages of ``request_ids`` is pending (their
+        blocks are about to be reused: vLLM preempted them)."""
+        with self._sends_done:
+            self._sends_done.wait_for(lambda: not any(self._sends[r] for r in request_ids))
 
     def flush(self) -> None:
         """Block until every background write has finished."""
@@ -465,17 +498,19 @@ class UCMWorker:
     def _write_behind(
         self,
         saves: list[BlockSave],
-        rows: torch.Tensor,
         payloads: Sequence[Segments],
         by_tier: dict[int, list[int]],
+        rows: torch.Tensor | None,
     ) -> None:
-        """Write staged saves to persistent tiers in the background, then free the rows.
+        """Write saves to persistent tiers in the background.
 
         Args:
             saves: The step's saves.
-            rows: The staging rows holding them.
-            payloads: The rows' payloads, per save.
+            payloads: Per save, its staging row or its KV pages.
             by_tier: Per persistent tier, the indices of the saves it gets.
+            rows: The staging rows holding the payloads, freed once every write is
+                done; None when the payloads are KV pages, which vLLM keeps until
+                :meth:`take_finished_sends` reports their requests.
         """
         remaining = [len(by_tier)]
         lock = threading.Lock()
@@ -485,13 +520,30 @@ class UCMWorker:
         def release_when_all_done() -> None:
             with lock:
                 remaining[0] -= 1
-                if remaining[0] == 0:
+                if remaining[0] == 0 and rows is not None:
                     pool.release(rows)
 
         for tier, indices in by_tier.items():
             keys = [self._shard_key(saves[i].key) for i in indices]
             chosen = [payloads[i] for i in indices]
-            self._writer.submit(self._tiers[tier], keys, chosen, release_when_all_done)
+            owners = {saves[i].request_id for i in indices} if rows is None else set()
+            with self._sends_done:
+                self._sends.update(owners)
+
+            def done(owners: set[str] = owners) -> None:
+                release_when_all_done()
+                with self._sends_done:
+                    self._sends.subtract(owners)
+                    for request_id in owners:
+                        if not self._sends[request_id]:
+                            del self._sends[request_id]
+                    self._sends_done.notify_all()
+
+            try:
+                self._writer.submit(self._tiers[tier], keys, chosen, done)
+            except BaseException:
+                done()
+                raise
 
     def _apply_evictions(self) -> None:
         """Delete the blocks the scheduler evicted this step (once per step).
