@@ -303,14 +303,11 @@ class UCMScheduler:
         state = self._requests.pop(request_id, None)
         if state is not None:
             self._just_finished.append(state)
-        if request_id in self._receiving:
-            self._sending.discard(request_id)
-            return False
-        if request_id in self._sending:
-            self._sending.discard(request_id)
+        held = request_id in self._sending and request_id not in self._receiving
+        self._sending.discard(request_id)
+        if held:
             self._to_release.append(request_id)
-            return True
-        return False
+        return held
 
     def close(self) -> None:
         """Stop the tier views' background work."""
