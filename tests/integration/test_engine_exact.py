@@ -19,6 +19,7 @@ from ucm.store.base import BlockKey
 from ucm.store.blockfile import TRAILER_BYTES, Sealer
 from ucm.store.posix_fsck import fsck
 from ucm.testing.engine import EngineSpec, Phase, finish_engine, run_engine, start_engine
+from ucm.testing.pagecache import resident_fraction
 
 pytestmark = pytest.mark.engine
 
@@ -29,6 +30,9 @@ def tiers(kind: str, store: Path) -> list[dict[str, Any]]:
     chosen = {
         "dram": [{"backend": "dram", "capacity": "64MiB"}],
         "posix": [{"backend": "posix", "path": str(store), "capacity": "256MiB"}],
+        "posix_direct": [
+            {"backend": "posix", "path": str(store), "capacity": "256MiB", "direct_io": True}
+        ],
     }
     return [tier for name in kind.split("+") for tier in chosen[name]]
 
@@ -75,6 +79,7 @@ def cold_then_warm() -> list[Phase]:
     [
         ("dram", 32, True),
         ("posix", 32, True),
+        ("posix_direct", 32, True),
         ("dram+posix", 32, True),
         ("dram+posix", 128, True),
         ("dram+posix", 32, False),  # Through staging rows, the GPU path.
@@ -105,13 +110,15 @@ def test_background_loads_from_disk(
 
 
 @pytest.mark.parametrize(
-    ("block_size", "writer_role", "reader_role"),
+    ("kind", "block_size", "writer_role", "reader_role"),
     [
-        (32, "kv_both", "kv_both"),
-        (128, "kv_producer", "kv_consumer"),
+        ("posix", 32, "kv_both", "kv_both"),
+        ("posix", 128, "kv_producer", "kv_consumer"),
+        ("posix_direct", 32, "kv_both", "kv_both"),
     ],
 )
 def test_fresh_process_reads_what_another_saved(
+    kind: str,
     block_size: int,
     writer_role: str,
     reader_role: str,
@@ -125,7 +132,7 @@ def test_fresh_process_reads_what_another_saved(
         tiny_model,
         [Phase(WORKLOAD.cold), Phase(WORKLOAD.cold, reset_before_each=True)],
         block_size,
-        ucm("posix", store, writer_role),
+        ucm(kind, store, writer_role),
         env={"PYTHONHASHSEED": "1"},
     )
     again = run_engine(writer, tmp_path / "writer")[1]
@@ -133,15 +140,19 @@ def test_fresh_process_reads_what_another_saved(
     assert all((tokens > 0) == loads for tokens in again.cached_tokens)
     stored = sorted(store.rglob("*.blk"))
     assert stored
+    # Direct I/O leaves nothing in the page cache; buffered writes leave it all there.
+    direct = kind == "posix_direct"
+    assert (resident_fraction(stored) == 0.0) == direct
     reader = EngineSpec(
         tiny_model,
         [Phase(WORKLOAD.warm, reset_before_each=True)],
         block_size,
-        ucm("posix", store, reader_role),
+        ucm(kind, store, reader_role),
         env={"PYTHONHASHSEED": "2"},
     )
     warm = run_engine(reader, tmp_path / "reader")[0]
     assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(block_size), block_size)
+    assert (resident_fraction(stored) == 0.0) == direct
     if reader_role == "kv_consumer":
         assert sorted(store.rglob("*.blk")) == stored  # A consumer never saves.
 
@@ -169,9 +180,11 @@ def test_two_live_engines_share_one_directory(
     assert_exact_with_hits(warm.outputs, warm.cached_tokens, reference(32), 32)
 
 
-@pytest.mark.parametrize("async_load", [False, True])
+@pytest.mark.parametrize(
+    ("kind", "async_load"), [("posix", False), ("posix", True), ("posix_direct", False)]
+)
 def test_negative_control_corrupted_kv_changes_outputs(
-    async_load: bool, tiny_model: str, reference: Any, tmp_path: Path
+    kind: str, async_load: bool, tiny_model: str, reference: Any, tmp_path: Path
 ) -> None:
     store = save_cold_prompts(tiny_model, tmp_path)
     rng = random.Random(0)
@@ -181,7 +194,7 @@ def test_negative_control_corrupted_kv_changes_outputs(
         payload = rng.randbytes(path.stat().st_size - TRAILER_BYTES)
         trailer = Sealer().seal(BlockKey(bytes.fromhex(path.stem)), [memoryview(payload)])
         path.write_bytes(payload + trailer.pack())
-    transfer = ucm("posix", store, async_load=async_load)
+    transfer = ucm(kind, store, async_load=async_load)
     reader = EngineSpec(tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, transfer)
     warm = run_engine(reader, tmp_path / "reader")[0]
     assert warm.cached_tokens == WORKLOAD.expected_loaded(32)

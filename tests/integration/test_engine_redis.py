@@ -42,23 +42,43 @@ def stored_values(url: str, prefix: str) -> list[bytes]:
     return sorted(redis_client.Redis.from_url(url).keys(prefix.encode() + b"*"))
 
 
-@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+@pytest.mark.parametrize(
+    ("cluster", "block_size", "in_place"),
+    [
+        (False, 32, True),
+        (True, 32, True),
+        # Whole-block staging rows of 64 KiB: sent from the rows without a copy.
+        (False, 128, False),
+    ],
+    ids=["standalone", "cluster", "standalone-large-values"],
+)
 def test_second_engine_reuses_what_the_first_computed(
-    cluster: bool, tiny_model: str, reference: Any, tmp_path: Path, valkey_server: ValkeyServer
+    cluster: bool,
+    block_size: int,
+    in_place: bool,
+    tiny_model: str,
+    reference: Any,
+    tmp_path: Path,
+    valkey_server: ValkeyServer,
 ) -> None:
+    prefix = f"cross-{cluster}-{block_size}:"
     with ValkeyServer(cluster=True) if cluster else _borrowed(valkey_server) as server:
         options = {"cluster": True} if cluster else {}
-        transfer = ucm_redis(server.url, f"cross-{cluster}:", **options)
-        writer = EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], 32, transfer)
+        transfer = ucm_redis(server.url, prefix, **options)
+        transfer["kv_connector_extra_config"]["in_place"] = in_place
+        writer = EngineSpec(tiny_model, [Phase(WORKLOAD.cold)], block_size, transfer)
         run_engine(writer, tmp_path / "writer")
-        stored = stored_values(server.url, f"cross-{cluster}:")
+        stored = stored_values(server.url, prefix)
         assert stored
+        if not in_place:  # The values really are as large as the test means them to be.
+            raw = redis_client.Redis.from_url(server.url)
+            assert all(raw.strlen(name) >= (64 << 10) + TRAILER_BYTES for name in stored)
         reader = EngineSpec(
-            tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], 32, transfer
+            tiny_model, [Phase(WORKLOAD.warm, reset_before_each=True)], block_size, transfer
         )
         warm = run_engine(reader, tmp_path / "reader")[0]
-    assert warm.outputs == reference(32)
-    assert warm.cached_tokens == WORKLOAD.expected_loaded(32)
+    assert warm.outputs == reference(block_size)
+    assert warm.cached_tokens == WORKLOAD.expected_loaded(block_size)
     assert all(tokens > 0 for tokens in warm.cached_tokens)
 
 

@@ -16,12 +16,13 @@ def test_datapath_benchmark_reports_rates_ratios_and_lookup(tmp_path: Path) -> N
     assert {"memory copy", "dram save", "posix load", "gather", "scatter"} <= set(rates)
     assert {"dram load into pages, 4 threads", "posix save from pages"} <= set(rates)
     assert {"block checksum", "posix load, verify off"} <= set(rates)
+    assert {"disk read (O_DIRECT)", "posix load (direct_io)"} <= set(rates)
     assert all(value > 0 for value in rates.values())
     skipped = results["skipped"]
     assert not (skipped and os.environ.get("CI")), skipped  # CI's set-up installs both.
     if not skipped:
         assert {"redis save", "redis raw get", "mooncake load", "mooncake raw put"} <= set(rates)
-        assert len(results["ratios"]) == 12  # type: ignore[arg-type]
+        assert len(results["ratios"]) == 14  # type: ignore[arg-type]
     assert set(results["lookup"]) == {  # type: ignore[arg-type]
         "key hashing (us)",
         "dram prefix lookup (us)",

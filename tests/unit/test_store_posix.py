@@ -61,6 +61,7 @@ def test_capabilities_and_options() -> None:
     assert PosixBackend.option_types == {
         "path": str,
         "fsync": bool,
+        "direct_io": bool,
         "index_refresh_seconds": float,
         "verify": bool,
         "secret_file": str,
@@ -191,13 +192,14 @@ def corrupt_wrong_key(path: Path) -> None:
         corrupt_byte(-1),  # magic
     ],
 )
+@pytest.mark.parametrize("direct_io", [False, True])
 def test_damaged_block_is_a_miss_and_is_removed(
-    tmp_path: Path, corrupt: Callable[[Path], None]
+    tmp_path: Path, corrupt: Callable[[Path], None], direct_io: bool
 ) -> None:
-    backend = PosixBackend(tmp_path, 10_000)
+    backend = PosixBackend(tmp_path, 10_000, direct_io=direct_io)
     dump(backend, 0)
     corrupt(block_path(tmp_path, 0))
-    assert not loads(PosixBackend(tmp_path, 10_000), 0)
+    assert not loads(PosixBackend(tmp_path, 10_000, direct_io=direct_io), 0)
     assert backend.lookup([make_key(0)]) == [False]
     assert not loads(backend, 0)
     dump(backend, 0)

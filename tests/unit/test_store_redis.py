@@ -204,3 +204,35 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         parse_config({"tiers": [{"backend": "redis", "capacity": "1GiB"}]})
     with pytest.raises(ValueError, match=r"cannot use url 'http://u:\*\*\*@host'"):
         RedisBackend("http://u:hunter2@host", 1 << 20)
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+@pytest.mark.parametrize("segment_bytes", [100, 64 << 10, 1 << 20])
+def test_values_sent_from_segments_are_whole(
+    valkey_server: ValkeyServer, cluster_server: ValkeyServer, cluster: bool, segment_bytes: int
+) -> None:
+    """Large segments go to the socket as they are (standalone), small ones are joined:
+    either way the server holds payload then trailer, and loads give the payload back."""
+    server = cluster_server if cluster else valkey_server
+    prefix = fresh_prefix()
+    backend = RedisBackend(server.url, 1 << 30, cluster=cluster, key_prefix=prefix)
+    payloads = [make_payload(i, 3 * segment_bytes) for i in range(4)]
+    segmented = [
+        [memoryview(p)[j * segment_bytes : (j + 1) * segment_bytes] for j in range(3)]
+        for p in payloads
+    ]
+    keys = [make_key(i) for i in range(4)]
+    assert backend.dump(keys, segmented).wait() == [True] * 4
+    raw = (
+        redis_client.RedisCluster.from_url(server.url)
+        if cluster
+        else redis_client.Redis.from_url(server.url)
+    )
+    for index, payload in enumerate(payloads):
+        value = raw.get(raw_name(prefix, index))
+        assert value is not None and value[:-TRAILER_BYTES] == payload
+    buffers = [make_buffer(3 * segment_bytes) for _ in range(4)]
+    assert backend.load(keys, views(buffers)).wait() == [True] * 4
+    assert buffers == payloads
+    raw.close()
+    backend.close()

@@ -27,6 +27,7 @@ from ucm.store.base import Backend, BlockKey
 from ucm.store.blockfile import Sealer
 from ucm.store.dram import DramBackend
 from ucm.store.posix import PosixBackend
+from ucm.store.posix_direct import aligned_buffer, direct_flag, probe
 from ucm.transfer.paged import PagedKV, row_payloads
 from ucm.transfer.reader import BlockRead, BlockReader
 
@@ -121,6 +122,38 @@ def disk_sequential(directory: Path, nbytes: int) -> list[Rate]:
         Rate("disk write (page cache)", buffered, size),
         Rate("disk write+fsync", synced, size),
         Rate("disk read", read_rate, f"{size}, warm page cache"),
+    ]
+
+
+def disk_direct(directory: Path, nbytes: int) -> list[Rate]:
+    """Measure sequential ``O_DIRECT`` writes and reads of one file: the storage's own
+    rate, with no page cache on either side.
+
+    Raises:
+        ValueError: The filesystem does not support ``O_DIRECT``.
+    """
+    probe(directory)
+    path = directory / "ucm-bench-direct.tmp"
+    chunk = aligned_buffer(_CHUNK)
+    chunk[:] = os.urandom(_CHUNK)
+
+    def transfer(flags: int, call: Callable[[int, list[memoryview], int], int]) -> None:
+        fd = os.open(path, flags | direct_flag(), 0o600)
+        try:
+            for offset in range(0, nbytes // _CHUNK * _CHUNK, _CHUNK):
+                assert call(fd, [chunk], offset) == _CHUNK
+        finally:
+            os.close(fd)
+
+    size = f"{nbytes >> 20} MiB file"
+    try:
+        write = best_rate(nbytes, lambda: transfer(os.O_WRONLY | os.O_CREAT, os.pwritev))
+        read = best_rate(nbytes, lambda: transfer(os.O_RDONLY, os.preadv))
+    finally:
+        path.unlink(missing_ok=True)
+    return [
+        Rate("disk write (O_DIRECT)", write, f"{size}, 4 MiB writes"),
+        Rate("disk read (O_DIRECT)", read, f"{size}, 4 MiB reads, no page cache"),
     ]
 
 
@@ -288,6 +321,18 @@ def run(
     load = backend_rates("posix", unverified, block_bytes, count)[1]
     rates.append(Rate("posix load, verify off", load.gb_per_s, load.note))
     shutil.rmtree(posix_dir, ignore_errors=True)
+    skipped: list[str] = []
+    try:
+        rates += disk_direct(store_dir, disk_bytes)
+        direct = backend_rates(
+            "posix", PosixBackend(posix_dir, 4 * total, direct_io=True), block_bytes, count
+        )
+        rates += [
+            Rate(f"{r.name} (direct_io)", r.gb_per_s, f"{r.note}, no page cache") for r in direct
+        ]
+    except ValueError as exc:
+        skipped.append(str(exc))
+    shutil.rmtree(posix_dir, ignore_errors=True)
     rates += paged_rates(block_bytes, min(count, 128), num_blocks=512)
     rates += in_place_rates("dram", DramBackend(total), block_bytes, count, threads)
     posix = PosixBackend(posix_dir, 4 * total)
@@ -312,7 +357,13 @@ def run(
         ]
         / rate["disk read"],
     }
-    skipped: list[str] = []
+    if "disk read (O_DIRECT)" in rate:
+        ratios["posix save (direct_io) / disk write (O_DIRECT)"] = (
+            rate["posix save (direct_io)"] / rate["disk write (O_DIRECT)"]
+        )
+        ratios["posix load (direct_io) / disk read (O_DIRECT)"] = (
+            rate["posix load (direct_io)"] / rate["disk read (O_DIRECT)"]
+        )
     if remote:
         from ucm.bench.remote import remote_rates
 

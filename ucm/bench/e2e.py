@@ -83,11 +83,12 @@ class System:
     """How many of the workload's documents a ``dram`` tier holds, as a fraction."""
 
 
-def _ucm(kinds: str, async_save: bool = False) -> TransferFactory:
+def _ucm(kinds: str, async_save: bool = False, direct_io: bool = False) -> TransferFactory:
     def transfer(store: Path, dram_bytes: int) -> dict[str, Any]:
+        posix = {"backend": "posix", "path": str(store), "capacity": "64GiB"}
         tiers = {
             "dram": {"backend": "dram", "capacity": dram_bytes},
-            "posix": {"backend": "posix", "path": str(store), "capacity": "64GiB"},
+            "posix": {**posix, "direct_io": True} if direct_io else posix,
         }
         return {
             "kv_connector": "UCMConnector",
@@ -118,6 +119,11 @@ SYSTEMS = (
     System("ucm dram+posix", _ucm("dram+posix")),
     System("ucm posix async-save", _ucm("posix", async_save=True)),
     System("ucm dram+posix async-save", _ucm("dram+posix", async_save=True)),
+    System("ucm posix direct-io", _ucm("posix", direct_io=True)),
+    System(
+        "ucm dram+posix direct-io async-save",
+        _ucm("dram+posix", async_save=True, direct_io=True),
+    ),
 )
 """Every system the benchmark compares."""
 UCM_SYSTEMS = tuple(system.name for system in SYSTEMS if system.name.startswith("ucm"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ from ucm.store.blockfile import (
     parse_trailer,
     read_secret,
 )
+from ucm.store.posix_direct import DirectTransfers, probe
 from ucm.store.posix_files import (
     block_file_key,
     list_blocks,
@@ -78,6 +80,7 @@ class PosixBackend(Backend):
     option_types: ClassVar[Mapping[str, type]] = {
         "path": str,
         "fsync": bool,
+        "direct_io": bool,
         "index_refresh_seconds": float,
         "verify": bool,
         "secret_file": str,
@@ -91,6 +94,7 @@ class PosixBackend(Backend):
         capacity_bytes: int,
         *,
         fsync: bool = False,
+        direct_io: bool = False,
         index_refresh_seconds: float = DEFAULT_INDEX_REFRESH_SECONDS,
         verify: bool = True,
         secret: bytes | None = None,
@@ -102,6 +106,8 @@ class PosixBackend(Backend):
             root: The directory; blocks go under ``root/v2``.
             capacity_bytes: The most payload bytes this process keeps in the directory.
             fsync: Flush each block's data to stable storage before renaming it into place.
+            direct_io: Read and write block files with ``O_DIRECT``, bypassing the page
+                cache (:mod:`ucm.store.posix_direct`).
             index_refresh_seconds: Seconds between refreshes of the in-memory view that
                 :meth:`key_index` opens; 0 opens none (every lookup asks the filesystem).
             verify: Check each loaded payload against its trailer's checksum; without
@@ -112,7 +118,8 @@ class PosixBackend(Backend):
 
         Raises:
             ValueError: ``capacity_bytes`` or ``index_refresh_seconds`` is negative,
-                ``root`` is not a writable directory, or the secret is too short.
+                ``root`` is not a writable directory, its filesystem lacks ``O_DIRECT``
+                while ``direct_io`` is set, or the secret is too short.
         """
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
@@ -133,6 +140,11 @@ class PosixBackend(Backend):
             raise ValueError(f"posix backend: directory {str(root)!r} is not writable")
         self._capacity = capacity_bytes
         self._fsync = fsync
+        self._direct: DirectTransfers | None = None
+        if direct_io:
+            probe(self._dir)
+            self._direct = DirectTransfers()
+            logger.info("ucm: posix tier %s: direct I/O (O_DIRECT)", self._dir)
         self._sizes: dict[BlockKey, int] = {}  # Payload size of each block known here.
         self._policy = make_policy(eviction)
         self._lock = threading.Lock()
@@ -164,9 +176,9 @@ class PosixBackend(Backend):
 
         Args:
             tier: The tier's settings; option ``path`` is required; ``fsync``,
-                ``index_refresh_seconds``, ``verify`` and one of ``secret_file`` (a file
-                holding the signing secret) or ``secret_env`` (an environment variable
-                holding it) are optional.
+                ``direct_io``, ``index_refresh_seconds``, ``verify`` and one of
+                ``secret_file`` (a file holding the signing secret) or ``secret_env``
+                (an environment variable holding it) are optional.
 
         Raises:
             ValueError: The ``path`` option is missing, the directory is unusable, or
@@ -181,6 +193,7 @@ class PosixBackend(Backend):
             Path(str(options["path"])),
             tier.capacity,
             fsync=options.get("fsync") is True,
+            direct_io=options.get("direct_io") is True,
             index_refresh_seconds=refresh,
             verify=options.get("verify") is not False,
             secret=read_secret(options, "posix"),
@@ -325,7 +338,7 @@ class PosixBackend(Backend):
 
     def _load_one(self, key: BlockKey, segments: Segments) -> bool:
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(self._path(key), os.O_RDONLY | (self._direct.flag if self._direct else 0))
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 self._forget(key)
@@ -355,14 +368,20 @@ class PosixBackend(Backend):
             ``segments`` (the caller's mistake: the file stays); None for a bad file.
         """
         size = segments_nbytes(segments)
-        raw = bytearray(TRAILER_BYTES)
+        raw: bytes | bytearray = bytearray(TRAILER_BYTES)
         file_size = os.fstat(fd).st_size
         if file_size != size + TRAILER_BYTES:  # Only read the trailer.
+            if self._direct:  # At an unaligned offset: through the page cache.
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~self._direct.flag)
             read = os.preadv(fd, [raw], max(file_size - TRAILER_BYTES, 0))
             trailer = parse_trailer(raw) if read == TRAILER_BYTES else None
             whole = trailer and trailer.key == key and trailer.length + TRAILER_BYTES == file_size
             return False if whole else None
-        if transfer(os.preadv, fd, [*segments, memoryview(raw)]) != file_size:
+        if self._direct:
+            read, raw = self._direct.read(fd, segments, file_size)
+        else:
+            read = transfer(os.preadv, fd, [*segments, memoryview(raw)])
+        if read != file_size:
             return None  # Cut short while being read.
         trailer = parse_trailer(raw)
         if trailer is None or trailer.key != key or trailer.length != size:
@@ -436,12 +455,17 @@ class PosixBackend(Backend):
         """
         path = self._path(key)
         tmp = path.with_name(tmp_name(key, os.getpid()))
-        trailer = memoryview(self._sealer.seal(key, segments).pack())
+        trailer = self._sealer.seal(key, segments).pack()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (self._direct.flag if self._direct else 0)
         try:
             make_private_dirs(path.parent)  # The store may have been removed.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, flags, 0o600)
             try:
-                if transfer(os.pwritev, fd, [*segments, trailer]) != size + TRAILER_BYTES:
+                if self._direct:
+                    written = self._direct.write(fd, segments, trailer)
+                else:
+                    written = transfer(os.pwritev, fd, [*segments, memoryview(trailer)])
+                if written != size + TRAILER_BYTES:
                     raise OSError(f"short write to {tmp}")
                 if self._fsync:
                     os.fsync(fd)

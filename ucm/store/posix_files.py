@@ -116,11 +116,15 @@ def is_stale_tmp(name: str, mtime: float, now: float) -> bool:
 
 
 def transfer(
-    call: Callable[[int, list[Buffer], int], int], fd: int, buffers: Sequence[Buffer]
+    call: Callable[[int, list[Buffer], int], int],
+    fd: int,
+    buffers: Sequence[Buffer],
+    stop_unaligned: int = 1,
 ) -> int:
     """Run a vectored read or write (``os.preadv``/``os.pwritev``) over ``buffers`` from
     file offset 0, resuming after short transfers; return the bytes moved (fewer only
-    at end of file)."""
+    at end of file, or where a transfer stopped short of a multiple of
+    ``stop_unaligned``, from which direct I/O cannot resume)."""
     pending = [buffer.cast("B") for buffer in buffers if buffer.nbytes]
     moved = 0
     while pending:
@@ -128,6 +132,8 @@ def transfer(
         if count <= 0:
             break
         moved += count
+        if moved % stop_unaligned:
+            break
         while pending and count >= pending[0].nbytes:
             count -= pending.pop(0).nbytes
         if count:

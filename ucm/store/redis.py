@@ -4,7 +4,9 @@ Each block is one string value, ``<key_prefix><hex key>``, holding the payload f
 by the trailer of :mod:`ucm.store.blockfile` (key, length, checksum or MAC), checked on
 every load: a damaged, truncated or forged value is a miss and is removed. Batches go
 through one pipeline per round trip (bounded in bytes); a dump first asks which keys
-the server already has and sends only the others.
+the server already has and sends only the others. A standalone server's values are sent
+straight from the caller's buffers where they are large (vLLM's KV pages, staging
+rows), with no copy into one ``bytes`` object first.
 
 The server bounds the store, not ucm: run it as a cache (``maxmemory`` with an
 ``allkeys-*`` policy), so that any block may vanish at any time. That is a miss, never
@@ -24,9 +26,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
 import redis.cluster
+from redis.connection import PythonRespSerializer
 
 from ucm.store.base import (
     BlockKey,
+    Buffer,
     CompletedTask,
     Segments,
     Task,
@@ -50,6 +54,8 @@ DEFAULT_RETRY_SECONDS = 1.0
 PIPELINE_BYTES = 32 << 20
 """Payload bytes sent or expected per pipeline round trip at most."""
 _LOOKUP_CHUNK = 256  # Keys per round trip of lookup_prefix.
+_ZERO_COPY_BYTES = 64 << 10  # Buffers this large are sent as they are, smaller ones joined.
+_BUFFER_CUTOFF = 6000  # redis-py's: larger arguments are sent as separate pieces.
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -59,6 +65,51 @@ class _Check(enum.Enum):
     OK = enum.auto()
     OTHER_SIZE = enum.auto()  # Whole, but not the size the caller expects.
     CORRUPT = enum.auto()
+
+
+class _Segmented:
+    """A value whose bytes are the concatenation of large buffers and a short tail."""
+
+    __slots__ = ("chunks", "nbytes", "tail")
+
+    def __init__(self, chunks: Sequence[Buffer], tail: bytes) -> None:
+        self.chunks = [chunk.cast("B") for chunk in chunks]
+        self.tail = tail
+        self.nbytes = sum(chunk.nbytes for chunk in self.chunks) + len(tail)
+
+
+class _SegmentedSerializer(PythonRespSerializer):
+    """redis-py's command packer, which also sends a :class:`_Segmented` value's
+    buffers to the socket as they are, without joining them into one object."""
+
+    def __init__(self) -> None:
+        super().__init__(_BUFFER_CUTOFF, _encode)
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        """Return the pieces of one command in the Redis protocol."""
+        if not any(isinstance(arg, _Segmented) for arg in args):
+            return list(super().pack(*args))  # type: ignore[no-untyped-call]
+        pieces: list[bytes | memoryview] = []
+        head = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, _Segmented):
+                pieces += [head + b"$%d\r\n" % arg.nbytes, *arg.chunks]
+                head = arg.tail + b"\r\n"
+            else:
+                data = self.encode(arg)
+                head += b"$%d\r\n%s\r\n" % (len(data), data)
+        return [*pieces, head]
+
+
+def _encode(value: bytes | memoryview | str | int | float) -> bytes | memoryview:
+    """Encode one command argument as redis-py does (``decode_responses`` off)."""
+    if isinstance(value, bytes | memoryview):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value).encode()
+    raise TypeError(f"redis backend: cannot send a {type(value).__name__} argument")
 
 
 class RedisBackend(RemoteBackend):
@@ -116,6 +167,9 @@ class RedisBackend(RemoteBackend):
         settings: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         if password is not None:
             settings["password"] = password
+        self._zero_copy = not cluster  # A cluster client drops custom connection settings.
+        if self._zero_copy:
+            settings["command_packer"] = _SegmentedSerializer()
         try:
             if cluster:
                 self._client: Any = redis.cluster.RedisCluster.from_url(url, **settings)
@@ -290,9 +344,11 @@ class RedisBackend(RemoteBackend):
     def _name(self, key: BlockKey) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def _sealed(self, key: BlockKey, segments: Segments) -> bytes:
-        trailer = self._sealer.seal(key, segments)
-        return b"".join([*segments, trailer.pack()])
+    def _sealed(self, key: BlockKey, segments: Segments) -> bytes | _Segmented:
+        trailer = self._sealer.seal(key, segments).pack()
+        if self._zero_copy and all(segment.nbytes >= _ZERO_COPY_BYTES for segment in segments):
+            return _Segmented(segments, trailer)
+        return b"".join([*segments, trailer])
 
     def _unseal(self, key: BlockKey, value: bytes, segments: Segments, size: int) -> _Check:
         """Check a value and copy its payload into ``segments``."""
