@@ -45,6 +45,16 @@ def test_every_system_answers_alike_and_ucm_hits(tmp_path: Path) -> None:
         round_0 = by_name[name]["cached_tokens"]["chat round 0"]
         assert 0 < round_0 <= 4 * 32 if name.startswith("ucm posix") else round_0 == 4 * 32, name
     assert by_name["ucm posix"]["store_bytes"] > 0
+    for name in e2e.UCM_SYSTEMS:  # Every token ucm served is a loaded byte in its stats.
+        traffic = by_name[name]["store_traffic"]
+        served = sum(request[3] for request in by_name[name]["requests"])
+        loaded = sum(tier["loaded_bytes"] for tier in traffic.values())
+        assert loaded == served * results["kv_bytes_per_token"], name
+        assert all(
+            tier["saved_bytes"] > 0 and tier["save_seconds"] > 0 for tier in traffic.values()
+        )
+    assert set(by_name["ucm dram+posix"]["store_traffic"]) == {"0:dram", "1:posix"}
+    assert "| ucm posix | 0:posix |" in e2e.markdown(results)
     assert "| ucm dram+posix |" in e2e.markdown(results)
     assert e2e.plot(results, tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").stat().st_size > 10_000

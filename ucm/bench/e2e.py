@@ -149,6 +149,9 @@ class SystemResult:
     """Generated tokens per request kind, to check every system answers alike."""
     requests: list[tuple[str, int, float, int]] = field(default_factory=list)
     """Every timed request: kind, prompt tokens, TTFT in ms, prompt tokens from a cache."""
+    store_traffic: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per ucm tier (``<index>:<backend>``): bytes saved and loaded over the whole run,
+    and the seconds those transfers took, as ucm's stats in vLLM report them."""
 
 
 def _prompts(workload: Workload, vocab: int) -> dict[str, list[list[int]]]:
@@ -260,7 +263,26 @@ def run_system(
         total = sum(len(p) for p in prompts[name]) + sum(len(o) for o in result.outputs)
         measured.no_reuse_tokens_per_s = max(measured.no_reuse_tokens_per_s, total / result.wall_s)
     measured.store_bytes = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    measured.store_traffic = store_traffic(results[-1].ucm_totals if results else {})
     return measured
+
+
+_TRAFFIC = {
+    "tier_save_bytes_total": "saved_bytes",
+    "save_seconds_sum": "save_seconds",
+    "tier_load_bytes_total": "loaded_bytes",
+    "load_seconds_sum": "load_seconds",
+}
+
+
+def store_traffic(totals: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Sort ucm's totals (:func:`ucm.testing.engine.ucm_totals`) into per-tier traffic."""
+    traffic: dict[str, dict[str, float]] = {}
+    for name, value in totals.items():
+        base, _, tier = name.partition("|")
+        if tier and base in _TRAFFIC:
+            traffic.setdefault(tier, dict.fromkeys(_TRAFFIC.values(), 0.0))[_TRAFFIC[base]] = value
+    return traffic
 
 
 def run(
@@ -341,11 +363,38 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {result['system']} | {ttft} | {cached / asked:.0%} | {loaded / 2**20:.1f} | "
             f"{result['no_reuse_tokens_per_s']:.0f} | {result['store_bytes'] / 2**20:.1f} |"
         )
+    lines += _traffic_table(results["systems"])
     lines += ["", "| target | value |", "| --- | ---: |"]
     for name, value in results["targets"].items():
         shown = value if isinstance(value, bool) else f"{value:.2f}"
         lines.append(f"| {name} | {shown} |")
     return "\n".join(lines) + "\n"
+
+
+def _traffic_table(systems: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines for every ucm tier's bytes and rates (none without ucm systems).
+
+    A rate is bytes over the summed seconds of the tier's transfers: the rate of one
+    transfer; transfers that run at once (reader and writer threads) add up to more.
+    """
+
+    def rate(nbytes: float, seconds: float) -> str:
+        return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "–"
+
+    rows = [
+        f"| {result['system']} | {tier} | {t['saved_bytes'] / 2**20:.1f} | "
+        f"{rate(t['saved_bytes'], t['save_seconds'])} | {t['loaded_bytes'] / 2**20:.1f} | "
+        f"{rate(t['loaded_bytes'], t['load_seconds'])} |"
+        for result in systems
+        for tier, t in sorted(result.get("store_traffic", {}).items())
+    ]
+    if not rows:
+        return []
+    header = (
+        "| system | tier | saved MiB | save GB/s per transfer | loaded MiB "
+        "| load GB/s per transfer |"
+    )
+    return ["", header, "| --- | --- |" + " ---: |" * 4, *rows]
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:

@@ -102,6 +102,9 @@ class PhaseResult:
     """Prompt length of each request (follow-ups include the conversation so far)."""
     finish_reasons: list[str] = field(default_factory=list)
     """Why each request ended (``length`` normally; ``error`` for a failed request)."""
+    ucm_totals: dict[str, float] = field(default_factory=dict)
+    """ucm's Prometheus counters and latency sums at the end of the phase, since the
+    engine started, by name (``tier_save_bytes_total|1:posix``, ``save_seconds_sum|…``)."""
 
 
 def run_engine(spec: EngineSpec, workdir: Path, timeout: float = 600) -> list[PhaseResult]:
@@ -209,10 +212,29 @@ def _serve(workdir: Path) -> None:
         result.prompt_tokens = [len(prompt) for prompt in prompts]
         conversations = [p + o for p, o in zip(prompts, result.outputs, strict=True)]
         _flush_connector()
+        result.ucm_totals = ucm_totals()
         results.append(asdict(result))
         if phase.signal:
             Path(phase.signal).touch()
     (workdir / "result.json").write_text(json.dumps(results))
+
+
+def ucm_totals() -> dict[str, float]:
+    """Return ucm's counters and latency sums as this process's Prometheus registry
+    holds them (vLLM's stat loggers feed it every step), summed over engines, keyed by
+    sample name and, for per-tier ones, ``|<tier>``."""
+    import prometheus_client
+
+    totals: dict[str, float] = {}
+    for metric in prometheus_client.REGISTRY.collect():
+        if not metric.name.startswith("ucm:"):
+            continue
+        for sample in metric.samples:
+            if sample.name.endswith(("_total", "_sum")):
+                tier = sample.labels.get("tier")
+                name = sample.name.removeprefix("ucm:") + (f"|{tier}" if tier else "")
+                totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
 
 
 def _in_process(spec: EngineSpec) -> bool:
