@@ -16,14 +16,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ucm.store.posix_files import list_blocks, totals_of
 from ucm.testing.crash import CAPACITY, TrialReport, check_after_crash, run_trials
 
 TRIALS = int(os.environ.get("UCM_CRASH_TRIALS", "24"))
 
 
-def test_writers_killed_at_random_moments_leave_a_consistent_store(tmp_path: Path) -> None:
-    report = run_trials(tmp_path, TRIALS, seed=1)
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_writers_killed_at_random_moments_leave_a_consistent_store(
+    tmp_path: Path, direct_io: bool
+) -> None:
+    report = run_trials(tmp_path, TRIALS, seed=1, direct_io=direct_io)
     assert report.trials == TRIALS
     assert report.problems == []
     assert report.tmp_files_left == 0

@@ -27,11 +27,12 @@ def dump(backend: PosixBackend, index: int) -> bool:
     return stored
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
 def test_disk_full_drops_writes_then_resumes(
-    small_filesystem: Path, caplog: pytest.LogCaptureFixture
+    small_filesystem: Path, caplog: pytest.LogCaptureFixture, direct_io: bool
 ) -> None:
     root = small_filesystem / "store"
-    backend = PosixBackend(root, 64 << 20)
+    backend = PosixBackend(root, 64 << 20, direct_io=direct_io)
     with caplog.at_level(logging.WARNING, logger="ucm.store.posix"):
         stored = [dump(backend, index) for index in range(8)]
     assert stored[0] and not all(stored)
@@ -50,8 +51,11 @@ def test_disk_full_drops_writes_then_resumes(
     assert loads(backend, 100, BLOCK)
 
 
-def test_read_only_filesystem_drops_writes_and_serves_reads(small_filesystem: Path) -> None:
-    backend = PosixBackend(small_filesystem / "store", 64 << 20)
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_read_only_filesystem_drops_writes_and_serves_reads(
+    small_filesystem: Path, direct_io: bool
+) -> None:
+    backend = PosixBackend(small_filesystem / "store", 64 << 20, direct_io=direct_io)
     assert dump(backend, 0)
     remount(small_filesystem, "ro")  # Possible only with no file open for writing.
     try:

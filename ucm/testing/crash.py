@@ -40,9 +40,9 @@ def payload_of(index: int) -> bytearray:
     return make_payload(index, (1 + index % 32) << 14)
 
 
-def write_until_killed(root: Path, capacity: int, seed: int) -> None:
+def write_until_killed(root: Path, capacity: int, seed: int, direct_io: bool = False) -> None:
     """Save batches of blocks (and delete some) for ever, four writes in flight."""
-    backend = PosixBackend(root, capacity, index_refresh_seconds=0)
+    backend = PosixBackend(root, capacity, index_refresh_seconds=0, direct_io=direct_io)
     writer = BackgroundWriter(max_pending_bytes=8 << 20, threads=4)
     rng = random.Random(seed)
     print(READY, flush=True)
@@ -128,7 +128,9 @@ def check_after_crash(root: Path, capacity: int, report: TrialReport) -> None:
     report.problems += problems
 
 
-def run_trials(root: Path, trials: int, seed: int = 0, max_delay: float = 0.4) -> TrialReport:
+def run_trials(
+    root: Path, trials: int, seed: int = 0, max_delay: float = 0.4, direct_io: bool = False
+) -> TrialReport:
     """Kill writers at random moments and check the store after each kill.
 
     Args:
@@ -136,11 +138,13 @@ def run_trials(root: Path, trials: int, seed: int = 0, max_delay: float = 0.4) -
         trials: How many writers to kill.
         seed: Seed of the kill times and of the writers' choices.
         max_delay: Longest time a writer runs before it is killed, in seconds.
+        direct_io: The writers write with ``O_DIRECT`` (the checks read buffered).
     """
     rng = random.Random(seed)
     report = TrialReport()
     for trial in range(trials):
         command = [sys.executable, "-m", "ucm.testing.crash", "write", str(root), str(CAPACITY)]
+        command += ["--direct-io"] if direct_io else []
         writer = subprocess.Popen([*command, str(seed * 1000 + trial)], stdout=subprocess.PIPE)
         assert writer.stdout is not None
         if writer.stdout.readline().decode().strip() != READY:
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("root", type=Path)
     write.add_argument("capacity", type=int)
     write.add_argument("seed", type=int)
+    write.add_argument("--direct-io", action="store_true", help="write with O_DIRECT")
     read = commands.add_parser("read")
     read.add_argument("root", type=Path)
     read.add_argument("seconds", type=float)
@@ -170,14 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     trials.add_argument("root", type=Path)
     trials.add_argument("--trials", type=int, default=100)
     trials.add_argument("--seed", type=int, default=0)
+    trials.add_argument("--direct-io", action="store_true", help="writers use O_DIRECT")
     args = parser.parse_args(argv)
     if args.command == "write":
-        write_until_killed(args.root, args.capacity, args.seed)
+        write_until_killed(args.root, args.capacity, args.seed, args.direct_io)
         return 0
     if args.command == "read":
         print(json.dumps(read_for(args.root, args.seconds, args.seed)))
         return 0
-    report = run_trials(args.root, args.trials, args.seed)
+    report = run_trials(args.root, args.trials, args.seed, direct_io=args.direct_io)
     print(
         f"{report.trials} writers killed, {report.blocks_checked} blocks checked, "
         f"{report.tmp_files_left} temporary files left, {len(report.problems)} problems"
