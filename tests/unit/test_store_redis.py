@@ -236,3 +236,33 @@ def test_values_sent_from_segments_are_whole(
     assert buffers == payloads
     raw.close()
     backend.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+def test_a_key_of_another_type_is_a_miss_and_the_rest_of_the_batch_loads(
+    valkey_server: ValkeyServer, cluster_server: ValkeyServer, cluster: bool
+) -> None:
+    """The standalone server's replies are read straight off the socket: an error reply
+    in the middle of a pipeline must leave the connection in step for the next ones."""
+    server = cluster_server if cluster else valkey_server
+    prefix = fresh_prefix()
+    backend = RedisBackend(server.url, 1 << 30, cluster=cluster, key_prefix=prefix)
+    size = 200 << 10  # Read in several pieces from the socket.
+    keys = [make_key(i) for i in range(4)]
+    assert backend.dump(keys, views([make_payload(i, size) for i in range(4)])).wait() == [True] * 4
+    raw = (
+        redis_client.RedisCluster.from_url(server.url)
+        if cluster
+        else redis_client.Redis.from_url(server.url)
+    )
+    raw.delete(raw_name(prefix, 1))
+    raw.rpush(raw_name(prefix, 1), b"not a block")  # GET answers WRONGTYPE.
+    raw.delete(raw_name(prefix, 2))  # GET answers nil.
+    for _ in range(2):  # The connection goes back to the pool in step, and is reused.
+        buffers = [make_buffer(size) for _ in range(4)]
+        loaded = backend.load(keys, views(buffers)).wait()
+        assert loaded == [True, False, False, True]
+        assert [buffers[0], buffers[3]] == [make_payload(0, size), make_payload(3, size)]
+    assert backend.corrupt_blocks == 0
+    raw.close()
+    backend.close()

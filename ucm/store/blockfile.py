@@ -149,14 +149,29 @@ class Sealer:
             (where checked) intact.
         """
         size = value.nbytes - TRAILER_BYTES
-        trailer = parse_trailer(value[size:]) if size >= 0 else None
-        if trailer is None or trailer.key != key or trailer.length != size:
+        if size < 0:
             return None
         payload = value[:size]
-        checked = verify or self.flags or trailer.flags != self.flags
-        if checked and not self.verify(trailer, [payload]):
-            return None
-        return payload
+        return payload if self.check(key, value[size:], [payload], verify) else None
+
+    def check(
+        self, key: BlockKey, trailer: Buffer | bytes, payload: Sequence[Buffer], verify: bool
+    ) -> bool:
+        """Return whether a payload and the trailer stored after it are whole and the key's.
+
+        Args:
+            key: The key they were read under.
+            trailer: The :data:`TRAILER_BYTES` that followed the payload.
+            payload: The payload's segments, as read.
+            verify: Check the payload against its checksum; without it only the trailer
+                is checked (a MAC is always checked).
+        """
+        parsed = parse_trailer(trailer)
+        size = sum(segment.nbytes for segment in payload)
+        if parsed is None or parsed.key != key or parsed.length != size:
+            return False
+        checked = verify or self.flags or parsed.flags != self.flags
+        return not checked or self.verify(parsed, payload)
 
     def _digest(self, trailer: Trailer, payload: Sequence[Buffer]) -> bytes:
         hasher: xxhash.xxh3_128 | blake3

@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
 import redis.cluster
-from redis.connection import PythonRespSerializer
 
 from ucm.store.base import (
     BlockKey,
-    Buffer,
     CompletedTask,
     Segments,
     Task,
@@ -38,7 +36,8 @@ from ucm.store.base import (
     scatter,
     segments_nbytes,
 )
-from ucm.store.blockfile import read_secret
+from ucm.store.blockfile import TRAILER_BYTES, read_secret
+from ucm.store.redis_wire import ReplyReader, Segmented, SegmentedSerializer
 from ucm.store.remote import COMMON_OPTIONS, RemoteBackend, byte_batches
 
 if TYPE_CHECKING:
@@ -55,7 +54,6 @@ PIPELINE_BYTES = 32 << 20
 """Payload bytes sent or expected per pipeline round trip at most."""
 _LOOKUP_CHUNK = 256  # Keys per round trip of lookup_prefix.
 _ZERO_COPY_BYTES = 64 << 10  # Buffers this large are sent as they are, smaller ones joined.
-_BUFFER_CUTOFF = 6000  # redis-py's: larger arguments are sent as separate pieces.
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -65,51 +63,7 @@ class _Check(enum.Enum):
     OK = enum.auto()
     OTHER_SIZE = enum.auto()  # Whole, but not the size the caller expects.
     CORRUPT = enum.auto()
-
-
-class _Segmented:
-    """A value whose bytes are the concatenation of large buffers and a short tail."""
-
-    __slots__ = ("chunks", "nbytes", "tail")
-
-    def __init__(self, chunks: Sequence[Buffer], tail: bytes) -> None:
-        self.chunks = [chunk.cast("B") for chunk in chunks]
-        self.tail = tail
-        self.nbytes = sum(chunk.nbytes for chunk in self.chunks) + len(tail)
-
-
-class _SegmentedSerializer(PythonRespSerializer):
-    """redis-py's command packer, which also sends a :class:`_Segmented` value's
-    buffers to the socket as they are, without joining them into one object."""
-
-    def __init__(self) -> None:
-        super().__init__(_BUFFER_CUTOFF, _encode)
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        """Return the pieces of one command in the Redis protocol."""
-        if not any(isinstance(arg, _Segmented) for arg in args):
-            return list(super().pack(*args))  # type: ignore[no-untyped-call]
-        pieces: list[bytes | memoryview] = []
-        head = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, _Segmented):
-                pieces += [head + b"$%d\r\n" % arg.nbytes, *arg.chunks]
-                head = arg.tail + b"\r\n"
-            else:
-                data = self.encode(arg)
-                head += b"$%d\r\n%s\r\n" % (len(data), data)
-        return [*pieces, head]
-
-
-def _encode(value: bytes | memoryview | str | int | float) -> bytes | memoryview:
-    """Encode one command argument as redis-py does (``decode_responses`` off)."""
-    if isinstance(value, bytes | memoryview):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return repr(value).encode()
-    raise TypeError(f"redis backend: cannot send a {type(value).__name__} argument")
+    MISSING = enum.auto()  # Not on the server (or not a string value).
 
 
 class RedisBackend(RemoteBackend):
@@ -168,8 +122,8 @@ class RedisBackend(RemoteBackend):
         if password is not None:
             settings["password"] = password
         self._zero_copy = not cluster  # A cluster client drops custom connection settings.
-        if self._zero_copy:
-            settings["command_packer"] = _SegmentedSerializer()
+        if self._zero_copy:  # RESP2 replies, which ReplyReader reads (no push messages).
+            settings.update(command_packer=SegmentedSerializer(), protocol=2)
         try:
             if cluster:
                 self._client: Any = redis.cluster.RedisCluster.from_url(url, **settings)
@@ -263,16 +217,17 @@ class RedisBackend(RemoteBackend):
         sizes = [segments_nbytes(segments) for segments in payloads]
         results = [False] * len(keys)
         for batch in byte_batches(sizes, PIPELINE_BYTES):
-            values = self._pipelined("get", [(self._name(keys[i]),) for i in batch])
-            if values is None:
+            if self._zero_copy:
+                checks = self._get_into([keys[i] for i in batch], [payloads[i] for i in batch])
+            else:
+                checks = self._get([keys[i] for i in batch], [payloads[i] for i in batch])
+            if checks is None:
                 continue
-            corrupt = []
-            for i, value in zip(batch, values, strict=True):
-                if isinstance(value, bytes):
-                    check = self._unseal(keys[i], value, payloads[i], sizes[i])
-                    results[i] = check is _Check.OK
-                    if check is _Check.CORRUPT:
-                        corrupt.append(keys[i])
+            for i, check in zip(batch, checks, strict=True):
+                results[i] = check is _Check.OK
+            corrupt = [
+                keys[i] for i, check in zip(batch, checks, strict=True) if check is _Check.CORRUPT
+            ]
             if corrupt:
                 self._remove_corrupt(corrupt)
         return CompletedTask(results)
@@ -344,18 +299,75 @@ class RedisBackend(RemoteBackend):
     def _name(self, key: BlockKey) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def _sealed(self, key: BlockKey, segments: Segments) -> bytes | _Segmented:
+    def _sealed(self, key: BlockKey, segments: Segments) -> bytes | Segmented:
         trailer = self._sealer.seal(key, segments).pack()
         if self._zero_copy and all(segment.nbytes >= _ZERO_COPY_BYTES for segment in segments):
-            return _Segmented(segments, trailer)
+            return Segmented(segments, trailer)
         return b"".join([*segments, trailer])
 
-    def _unseal(self, key: BlockKey, value: bytes, segments: Segments, size: int) -> _Check:
+    def _get(self, keys: Sequence[BlockKey], payloads: Sequence[Segments]) -> list[_Check] | None:
+        """Fetch values through redis-py (one pipeline) and copy their payloads out.
+
+        Returns:
+            Per key, what checking its value found; None when the pipeline failed.
+        """
+        values = self._pipelined("get", [(self._name(key),) for key in keys])
+        if values is None:
+            return None
+        return [
+            self._unseal(key, value, segments) if isinstance(value, bytes) else _Check.MISSING
+            for key, value, segments in zip(keys, values, payloads, strict=True)
+        ]
+
+    def _get_into(
+        self, keys: Sequence[BlockKey], payloads: Sequence[Segments]
+    ) -> list[_Check] | None:
+        """Fetch values with pipelined ``GET``s read from the socket straight into the
+        payloads' buffers (a standalone server: one connection answers them all).
+
+        Returns:
+            Per key, what checking its value found; None when the connection failed.
+        """
+        if time.monotonic() < self._down_until:
+            return None
+        pool = self._client.connection_pool
+        try:
+            connection = pool.get_connection()
+        except (redis.RedisError, OSError) as exc:
+            self._failed(exc)
+            return None
+        try:
+            commands = [("GET", self._name(key)) for key in keys]
+            connection.send_packed_command(connection.pack_commands(commands))
+            reader = ReplyReader(connection._sock)
+            tail = memoryview(bytearray(TRAILER_BYTES))
+            checks = []
+            for key, segments in zip(keys, payloads, strict=True):
+                try:
+                    value = reader.read_value(segments, tail)
+                except redis.ResponseError:  # This key alone (a wrong type): a miss.
+                    value = None
+                if value is None:
+                    checks.append(_Check.MISSING)
+                elif isinstance(value, bytes):
+                    checks.append(self._unseal(key, value, segments))
+                else:
+                    whole = self._sealer.check(key, tail, segments, self._verify)
+                    checks.append(_Check.OK if whole else _Check.CORRUPT)
+            return checks
+        except (redis.RedisError, OSError, ValueError) as exc:
+            connection.disconnect()  # Out of step with its replies: never reused as is.
+            self._failed(exc)
+            return None
+        finally:
+            pool.release(connection)
+
+    def _unseal(self, key: BlockKey, value: bytes, segments: Segments) -> _Check:
         """Check a value and copy its payload into ``segments``."""
         payload = self._sealer.open(key, memoryview(value), self._verify)
         if payload is None:
             return _Check.CORRUPT
-        if payload.nbytes != size:
+        if payload.nbytes != segments_nbytes(segments):
             return _Check.OTHER_SIZE
         scatter(payload, segments)
         return _Check.OK
@@ -377,7 +389,13 @@ class RedisBackend(RemoteBackend):
                 for args in calls:
                     getattr(pipe, command)(*args, **options)
                 return list(pipe.execute(raise_on_error=False))
-        except _CONNECTION_ERRORS as exc:
+        except (redis.RedisError, OSError) as exc:
+            self._failed(exc)
+        return None
+
+    def _failed(self, exc: Exception) -> None:
+        """Log a failed round trip; after a connection failure, answer misses for a while."""
+        if isinstance(exc, _CONNECTION_ERRORS):
             self._down_until = time.monotonic() + self._retry_seconds
             self._warn(
                 "ucm: redis server %s unreachable (%s); blocks are misses, retrying in %g s",
@@ -385,9 +403,8 @@ class RedisBackend(RemoteBackend):
                 exc,
                 self._retry_seconds,
             )
-        except redis.RedisError as exc:
+        else:
             self._warn("ucm: redis server %s failed: %s; blocks are misses", self._url, exc)
-        return None
 
 
 def _redacted(url: str) -> str:
