@@ -40,10 +40,11 @@ def test_every_system_answers_alike_and_ucm_hits(tmp_path: Path) -> None:
         assert by_name[name]["cached_tokens"]["chat follow-up"] == 2 * 5 * 32, name
         # The first round shares the system prompt's 4 blocks with the other user. With
         # posix alone they are written in the background: on a loaded machine the other
-        # user's lookup can come before the last of them is published (a miss, not an
-        # error; the exact posix counts are checked in test_engine_exact).
+        # user's lookup can come before some or all of them are published (a miss, not
+        # an error; with direct_io, whose writes wait for the disk, all of them were
+        # once). The exact posix counts are checked in test_engine_exact.
         round_0 = by_name[name]["cached_tokens"]["chat round 0"]
-        assert 0 < round_0 <= 4 * 32 if name.startswith("ucm posix") else round_0 == 4 * 32, name
+        assert 0 <= round_0 <= 4 * 32 if name.startswith("ucm posix") else round_0 == 4 * 32, name
     assert by_name["ucm posix"]["store_bytes"] > 0
     for name in e2e.UCM_SYSTEMS:  # Every token ucm served is a loaded byte in its stats.
         traffic = by_name[name]["store_traffic"]

@@ -266,3 +266,22 @@ def test_a_key_of_another_type_is_a_miss_and_the_rest_of_the_batch_loads(
     assert backend.corrupt_blocks == 0
     raw.close()
     backend.close()
+
+
+def test_unix_socket_url_moves_values_without_copies(valkey_server: ValkeyServer) -> None:
+    """Large values go out from, and come back into, the caller's buffers over a Unix
+    socket as over TCP."""
+    prefix = fresh_prefix()
+    backend = RedisBackend(valkey_server.unix_url, 1 << 30, key_prefix=prefix)
+    size = 3 << 16
+    payloads = [make_payload(i, size) for i in range(3)]
+    keys = [make_key(i) for i in range(3)]
+    pages = [[memoryview(p)[j << 16 : (j + 1) << 16] for j in range(3)] for p in payloads]
+    assert backend.dump(keys, pages).wait() == [True] * 3
+    buffers = [make_buffer(size) for _ in range(3)]
+    assert backend.load(keys, views(buffers)).wait() == [True] * 3
+    assert buffers == payloads
+    raw = redis_client.Redis.from_url(valkey_server.url)
+    assert raw.strlen(raw_name(prefix, 0)) == size + TRAILER_BYTES
+    raw.close()
+    backend.close()

@@ -89,6 +89,11 @@ class ValkeyServer:
         """The server's ``redis://`` URL."""
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def unix_url(self) -> str:
+        """The server's ``unix://`` URL: it also listens on a Unix socket."""
+        return f"unix://{self._dir / 'valkey.sock'}"
+
     def start(self) -> None:
         """Start the server and wait until it answers.
 
@@ -105,6 +110,8 @@ class ValkeyServer:
             "--maxmemory", self.maxmemory,
             "--maxmemory-policy", "allkeys-lru",
             "--dir", str(self._dir),
+            "--unixsocket", str(self._dir / "valkey.sock"),
+            "--unixsocketperm", "700",
         ]  # fmt: skip
         if self.cluster:
             command += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
