@@ -370,9 +370,10 @@ def run(
     if remote:
         from ucm.bench.remote import remote_rates
 
-        remote_measured, remote_ratios, skipped = remote_rates(block_bytes, count)
+        remote_measured, remote_ratios, remote_skipped = remote_rates(block_bytes, count)
         rates += remote_measured
         ratios.update(remote_ratios)
+        skipped += remote_skipped
     return {
         "rates": [rate.__dict__ for rate in rates],
         "ratios": ratios,

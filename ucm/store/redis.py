@@ -216,18 +216,16 @@ class RedisBackend(RemoteBackend):
         """
         sizes = [segments_nbytes(segments) for segments in payloads]
         results = [False] * len(keys)
+        fetch = self._get_into if self._zero_copy else self._get
         for batch in byte_batches(sizes, PIPELINE_BYTES):
-            if self._zero_copy:
-                checks = self._get_into([keys[i] for i in batch], [payloads[i] for i in batch])
-            else:
-                checks = self._get([keys[i] for i in batch], [payloads[i] for i in batch])
+            checks = fetch([keys[i] for i in batch], [payloads[i] for i in batch])
             if checks is None:
                 continue
+            corrupt = []
             for i, check in zip(batch, checks, strict=True):
                 results[i] = check is _Check.OK
-            corrupt = [
-                keys[i] for i, check in zip(batch, checks, strict=True) if check is _Check.CORRUPT
-            ]
+                if check is _Check.CORRUPT:
+                    corrupt.append(keys[i])
             if corrupt:
                 self._remove_corrupt(corrupt)
         return CompletedTask(results)
