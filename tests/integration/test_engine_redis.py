@@ -47,7 +47,7 @@ def stored_values(url: str, prefix: str) -> list[bytes]:
     [
         (False, 32, True),
         (True, 32, True),
-        # Whole-block staging rows of 64 KiB: sent from the rows without a copy.
+        # Staged pages of 64 KiB (per layer): sent from staging memory without a copy.
         (False, 128, False),
     ],
     ids=["standalone", "cluster", "standalone-large-values"],

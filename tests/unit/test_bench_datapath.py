@@ -22,7 +22,7 @@ def test_datapath_benchmark_reports_rates_ratios_and_lookup(tmp_path: Path) -> N
     assert not (skipped and os.environ.get("CI")), skipped  # CI's set-up installs both.
     if not skipped:
         assert {"redis save", "redis raw get", "mooncake load", "mooncake raw put"} <= set(rates)
-        assert len(results["ratios"]) == 14  # type: ignore[arg-type]
+        assert len(results["ratios"]) == 16  # type: ignore[arg-type]
     assert set(results["lookup"]) == {  # type: ignore[arg-type]
         "key hashing (us)",
         "dram prefix lookup (us)",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_payloads
+from ucm.testing.streams import LaggingStream
+from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim
 
 LAYOUTS = {
     "cpu [blocks, heads, tokens, 2*head]": (0, lambda: torch.randn(64, 4, 32, 16)),
@@ -24,17 +25,51 @@ def test_round_trip_copies_exactly_the_chosen_blocks(layout: str) -> None:
     torch.manual_seed(0)
     source = PagedKV([("layer.0", make(), dim), ("layer.1", make(), dim)])
     target = PagedKV([(f"layer.{i}", torch.zeros_like(make()), dim) for i in range(2)])
-    ids = torch.tensor([5, 3, 17, 40])
-    rows = StagingPool(source.block_bytes, pin=False).acquire(len(ids))[: len(ids)]
+    ids = [5, 3, 17, 40]
+    rows = StagingPool(source.block_bytes, pin=False).acquire(len(ids))
     for layer in source.layers:
-        source.gather(layer, ids, rows)
+        source.gather(layer, ids, rows, len(ids))
     for layer in target.layers:
-        target.scatter(layer, ids, rows)
-    rest = torch.tensor([i for i in range(64) if i not in ids.tolist()])
+        target.scatter(layer, ids, rows, len(ids))
+    index = torch.tensor(ids)
+    rest = torch.tensor([i for i in range(64) if i not in ids])
     for src, dst in zip(source.layers, target.layers, strict=True):
-        assert torch.equal(dst.tensor.index_select(dim, ids), src.tensor.index_select(dim, ids))
+        assert torch.equal(dst.tensor.index_select(dim, index), src.tensor.index_select(dim, index))
         assert not dst.tensor.index_select(dim, rest).any()
-    assert all(payload[0].nbytes == source.block_bytes for payload in row_payloads(rows))
+    payloads = source.staged_payloads(rows, len(ids))
+    assert all(sum(page.nbytes for page in pages) == source.block_bytes for pages in payloads)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_staged_blocks_are_the_stored_blocks_layer_by_layer(layout: str) -> None:
+    dim, make = LAYOUTS[layout]
+    torch.manual_seed(0)
+    paged = PagedKV([("layer.0", make(), dim), ("layer.1", make(), dim)])
+    ids = [9, 2, 63]
+    rows = torch.empty((8, paged.block_bytes), dtype=torch.uint8)  # More rows than used.
+    for layer in paged.layers:
+        paged.gather(layer, ids, rows, len(ids))
+    staged = [b"".join(pages) for pages in paged.staged_payloads(rows, len(ids))]
+    for block, stored in zip(ids, staged, strict=True):
+        pages = [layer.tensor.select(dim, block).contiguous() for layer in paged.layers]
+        assert stored == b"".join(bytes(page.view(-1).view(torch.uint8).numpy()) for page in pages)
+    # Each layer's pages of the batch are one contiguous range (one copy to a device).
+    first = paged.staged_layer(paged.layers[0], rows, len(ids))
+    second = paged.staged_layer(paged.layers[1], rows, len(ids))
+    assert first.is_contiguous() and second.is_contiguous()
+    assert second.data_ptr() == first.data_ptr() + first.numel()
+
+
+def test_scatter_copies_only_the_chosen_positions() -> None:
+    torch.manual_seed(0)
+    source = PagedKV([("layer.0", torch.randn(16, 2, 32, 8), 0)])
+    target = PagedKV([("layer.0", torch.zeros(16, 2, 32, 8), 0)])
+    rows = torch.empty((3, source.block_bytes), dtype=torch.uint8)
+    source.gather(source.layers[0], [4, 5, 6], rows, 3)
+    target.scatter(target.layers[0], [11, 12], rows, 3, positions=[2, 0])  # 5 failed.
+    kv, loaded = source.layers[0].tensor, target.layers[0].tensor
+    assert torch.equal(loaded[11], kv[6]) and torch.equal(loaded[12], kv[4])
+    assert not loaded[[i for i in range(16) if i not in (11, 12)]].any()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -46,12 +81,13 @@ def test_block_pages_are_the_stored_block_in_place(layout: str) -> None:
     assert paged.in_place == contiguous
     if not paged.in_place:
         return
-    ids = torch.tensor([9, 2, 63])
+    ids = [9, 2, 63]
     rows = torch.empty((len(ids), paged.block_bytes), dtype=torch.uint8)
     for layer in paged.layers:
-        paged.gather(layer, ids, rows)
-    pages = paged.block_pages(ids.tolist())
-    assert [b"".join(block) for block in pages] == [bytes(row.numpy()) for row in rows]
+        paged.gather(layer, ids, rows, len(ids))
+    pages = paged.block_pages(ids)
+    staged = paged.staged_payloads(rows, len(ids))
+    assert [b"".join(block) for block in pages] == [b"".join(block) for block in staged]
     before = [layer.tensor.clone() for layer in paged.layers]
     for segment in pages[0]:
         segment[:] = bytes(segment.nbytes)  # Writing a page writes the KV tensor.
@@ -115,3 +151,14 @@ def test_staging_pool_hands_out_the_smallest_fit_and_stays_bounded() -> None:
         pool.release(tensor)
     assert pool.free_rows() <= 2 * 10
     assert pool.acquire(10).shape[0] == 10
+
+
+def test_staging_pool_hands_out_a_tensor_only_after_its_copies_ran() -> None:
+    pool = StagingPool(block_bytes=8, pin=False)
+    stream = LaggingStream()
+    rows = pool.acquire(2).zero_()
+    stream.run(lambda: rows.fill_(7))  # A copy into the rows, still queued.
+    pool.release(rows, stream.record())
+    assert not rows.any()
+    again = pool.acquire(2)
+    assert again is rows and bool((again == 7).all())  # The queued copy ran first.

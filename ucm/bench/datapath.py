@@ -28,8 +28,9 @@ from ucm.store.blockfile import Sealer
 from ucm.store.dram import DramBackend
 from ucm.store.posix import PosixBackend
 from ucm.store.posix_direct import aligned_buffer, direct_flag, probe
-from ucm.transfer.paged import PagedKV, row_payloads
+from ucm.transfer.paged import PagedKV
 from ucm.transfer.reader import BlockRead, BlockReader
+from ucm.transfer.streams import copy_stream
 
 _CHUNK = 4 << 20
 
@@ -160,6 +161,12 @@ def disk_direct(directory: Path, nbytes: int) -> list[Rate]:
     ]
 
 
+def row_payloads(rows: torch.Tensor) -> list[list[memoryview]]:
+    """Return each row of a contiguous host uint8 tensor as a one-segment payload."""
+    array = rows.numpy()
+    return [[memoryview(array[index])] for index in range(array.shape[0])]
+
+
 def backend_rates(name: str, backend: Backend, block_bytes: int, count: int) -> tuple[Rate, Rate]:
     """Measure saving then loading ``count`` blocks through a backend's batch API."""
     rows = torch.randint(0, 255, (count, block_bytes), dtype=torch.uint8)
@@ -182,30 +189,76 @@ def backend_rates(name: str, backend: Backend, block_bytes: int, count: int) -> 
     )
 
 
-def paged_rates(block_bytes: int, count: int, num_blocks: int) -> tuple[Rate, Rate]:
-    """Measure gathering and scattering whole blocks of a CPU-layout paged KV tensor."""
+def transfer_rates(
+    device: torch.device, block_bytes: int, count: int, num_layers: int = 8
+) -> tuple[list[Rate], dict[str, float]]:
+    """Measure the staging path on ``device`` next to the plain copy of the same bytes.
+
+    Gathers copy random blocks of a paged KV cache on ``device`` (CPU layout, any layer
+    count) into staging memory, pinned on an accelerator, through the worker's copy
+    stream; scatters copy them back into other blocks. Next to them, torch copies one
+    contiguous buffer of as many bytes between the staging memory and the device: the
+    host↔device bandwidth on an accelerator, a memory copy on the CPU.
+
+    Returns:
+        The four rates, and the gather and scatter rates as fractions of the plain copy.
+    """
     heads, block_size = 8, 32
-    content = block_bytes // 2 // (heads * block_size * 4)  # Two layers of float32 pages.
+    content = block_bytes // num_layers // (heads * block_size * 4)
     layers = [
-        (f"layer.{i}", torch.randn(num_blocks, heads, block_size, content), 0) for i in range(2)
+        (f"layer.{i}", torch.randn(2 * count, heads, block_size, content, device=device), 0)
+        for i in range(num_layers)
     ]
     paged = PagedKV(layers)
-    ids = torch.randperm(num_blocks)[:count]
-    rows = torch.empty((count, paged.block_bytes), dtype=torch.uint8)
+    stream = copy_stream(device)
+    rows = torch.empty(
+        (count, paged.block_bytes), dtype=torch.uint8, pin_memory=device.type != "cpu"
+    )
+    flat = rows.view(-1)
+    on_device = torch.empty_like(flat, device=device)
+    sources = torch.randperm(2 * count)[:count].tolist()
+    targets = [block for block in range(2 * count) if block not in set(sources)][:count]
+
+    def synchronize() -> None:
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+
+    def to_device() -> None:
+        on_device.copy_(flat, non_blocking=True)
+        synchronize()
+
+    def to_host() -> None:
+        flat.copy_(on_device, non_blocking=True)
+        synchronize()
 
     def gather() -> None:
+        stream.follow_compute()
         for layer in paged.layers:
-            paged.gather(layer, ids, rows)
+            stream.run(functools.partial(paged.gather, layer, sources, rows, count))
+        stream.record().synchronize()
 
     def scatter() -> None:
+        stream.follow_compute()
         for layer in paged.layers:
-            paged.scatter(layer, ids, rows)
+            stream.run(functools.partial(paged.scatter, layer, targets, rows, count))
+        stream.make_compute_wait(stream.record())
+        synchronize()
 
     total = count * paged.block_bytes
-    note = f"{count} random blocks of {paged.block_bytes >> 10} KiB, 2 layers"
-    return Rate("gather", best_rate(total, gather), note), Rate(
-        "scatter", best_rate(total, scatter), note
-    )
+    note = f"{count} random blocks of {paged.block_bytes >> 10} KiB, {num_layers} layers, {device}"
+    plain = f"{total >> 20} MiB, torch, {device}"
+    rates = [
+        Rate("copy to the KV device", best_rate(total, to_device), plain),
+        Rate("copy from the KV device", best_rate(total, to_host), plain),
+        Rate("gather", best_rate(total, gather), note),
+        Rate("scatter", best_rate(total, scatter), note),
+    ]
+    rate = {entry.name: entry.gb_per_s for entry in rates}
+    ratios = {
+        "gather / copy from the KV device": rate["gather"] / rate["copy from the KV device"],
+        "scatter / copy to the KV device": rate["scatter"] / rate["copy to the KV device"],
+    }
+    return rates, ratios
 
 
 def in_place_rates(
@@ -336,7 +389,9 @@ def run(
     except ValueError as exc:
         skipped.append(str(exc))
     shutil.rmtree(posix_dir, ignore_errors=True)
-    rates += paged_rates(block_bytes, min(count, 128), num_blocks=512)
+    device = torch.accelerator.current_accelerator() or torch.device("cpu")
+    staging, staging_ratios = transfer_rates(device, block_bytes, min(count, 128))
+    rates += staging
     rates += in_place_rates("dram", DramBackend(total), block_bytes, count, threads)
     posix = PosixBackend(posix_dir, 4 * total)
     rates += in_place_rates("posix", posix, block_bytes, count, threads)
@@ -367,6 +422,7 @@ def run(
         ratios["posix load (direct_io) / disk read (O_DIRECT)"] = (
             rate["posix load (direct_io)"] / rate["disk read (O_DIRECT)"]
         )
+    ratios.update(staging_ratios)
     if remote:
         from ucm.bench.remote import remote_rates
 

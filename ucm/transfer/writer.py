@@ -1,8 +1,9 @@
 """Write-behind for slow tiers: store writes run on a bounded background thread pool.
 
 The worker copies a step's blocks out of vLLM's paged buffer into staging memory
-within the step, so vLLM may reuse those blocks at once; writing the staging memory
-to a disk or remote tier then happens here, off the step's critical path. Pending
+within the step (on an accelerator, queued on a copy stream that a write waits for
+first), so vLLM may reuse those blocks at once; writing the staging memory to a disk
+or remote tier then happens here, off the step's critical path. Pending
 bytes are bounded (a step waits only when the bound is reached), a read of a key
 first waits for that key's pending write, and ``flush`` waits for everything.
 """
@@ -46,6 +47,7 @@ class BackgroundWriter:
         keys: Sequence[BlockKey],
         payloads: Sequence[Segments],
         on_done: Callable[[], None],
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Write blocks in the background; the payloads must stay valid until ``on_done``.
 
@@ -56,12 +58,14 @@ class BackgroundWriter:
             keys: The keys to write.
             payloads: Segments per key whose concatenation is its payload.
             on_done: Called on a writer thread once the write finished, failed or not.
+            ready: Called on the writer thread before the write, to wait until the
+                payloads hold their bytes (copies into them may still be queued).
         """
         nbytes = sum(segments_nbytes(segments) for segments in payloads)
         with self._done:
             self._done.wait_for(lambda: self._pending_bytes == 0 or self._fits(nbytes))
             self._pending_bytes += nbytes
-            future = self._pool.submit(self._write, backend, list(keys), list(payloads))
+            future = self._pool.submit(self._write, backend, list(keys), list(payloads), ready)
             for key in keys:
                 self._pending[key] = future
         future.add_done_callback(lambda _: self._finish(keys, future, nbytes, on_done))
@@ -86,8 +90,15 @@ class BackgroundWriter:
         return self._pending_bytes + nbytes <= self._max_pending
 
     @staticmethod
-    def _write(backend: Backend, keys: list[BlockKey], payloads: list[Segments]) -> int:
-        """Write one batch; return how many blocks failed."""
+    def _write(
+        backend: Backend,
+        keys: list[BlockKey],
+        payloads: list[Segments],
+        ready: Callable[[], None] | None,
+    ) -> int:
+        """Write one batch once its payloads are ready; return how many blocks failed."""
+        if ready is not None:
+            ready()
         return backend.dump(keys, payloads).wait().count(False)
 
     def _finish(

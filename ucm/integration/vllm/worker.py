@@ -26,6 +26,7 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,8 +40,9 @@ from ucm.integration.vllm.stats import StatsRecorder, tier_name
 from ucm.keys import shard_key
 from ucm.store.base import Backend, BlockKey, Segments
 from ucm.store.registry import backend_class
-from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim, row_payloads
+from ucm.transfer.paged import PagedKV, StagingPool, find_block_dim
 from ucm.transfer.reader import BlockRead, BlockReader, PendingReads
+from ucm.transfer.streams import COMPLETE, CopyEvent, CopyStream, HostStream, copy_stream
 from ucm.transfer.writer import BackgroundWriter
 
 if TYPE_CHECKING:
@@ -55,6 +57,11 @@ def _rank_shard(vllm_config: VllmConfig) -> tuple[int, bool]:
 
     tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
     return rank_shard(vllm_config, int(tp_rank), int(pp_rank))
+
+
+def _after_all(copied: dict[str, CopyEvent]) -> CopyEvent:
+    """Return an event after every copy of ``copied`` (its last: a stream runs in order)."""
+    return next(reversed(copied.values()), COMPLETE)
 
 
 @dataclass
@@ -83,10 +90,9 @@ class _StepLoad:
     """Layers whose pages the forward pass may not read yet."""
     ok: list[bool] | None = None
     """Per load, whether it succeeded (once the reads finished)."""
-    loaded_ids: torch.Tensor | None = None
-    """Block ids of the loads that succeeded (once the reads finished)."""
-    loaded_rows: torch.Tensor | None = None
-    """Their staging rows, in the same order (once the reads finished; staging only)."""
+    copied: dict[str, CopyEvent] = dataclasses.field(default_factory=dict)
+    """Per layer, an event after the copies of its staged pages into place (once the
+    reads finished; staging only)."""
 
 
 class UCMWorker:
@@ -118,6 +124,7 @@ class UCMWorker:
         self._in_place = False  # Whether stores read and write the KV pages themselves.
         self._tiers: list[Backend] = []
         self._staging: StagingPool | None = None
+        self._stream: CopyStream = HostStream()  # Where staged pages are copied.
         self._reader = BlockReader(config.io_threads)
         self._writer = BackgroundWriter(config.max_pending_write_bytes, config.io_threads)
         self._meta = UCMConnectorMetadata()
@@ -125,7 +132,7 @@ class UCMWorker:
         self._layerwise = False  # Set once vLLM called wait_for_layer_load for every layer.
         self._waited: set[str] = set()  # Layers vLLM waited for in this step.
         self._save_rows: torch.Tensor | None = None  # This step's, until its writes finish.
-        self._save_block_ids: torch.Tensor | None = None
+        self._save_block_ids: list[int] = []
         self._stage_saves = False
         self._gathered: set[str] = set()
         self._load_errors: set[int] = set()
@@ -155,8 +162,8 @@ class UCMWorker:
             layers.append((name, tensor, find_block_dim(tensor, backend, num_blocks)))
         self._paged = paged = PagedKV(layers)
         self._in_place = paged.in_place and self._config.in_place
-        pin = paged.device.type == "cuda"
-        self._staging = StagingPool(paged.block_bytes, pin)
+        self._staging = StagingPool(paged.block_bytes, pin=paged.device.type != "cpu")
+        self._stream = copy_stream(paged.device)
         self._tiers = [
             MeteredBackend(self._open_tier(tier, paged.block_bytes), tier_name(i, tier), self.stats)
             for i, tier in enumerate(self._config.tiers)
@@ -175,7 +182,7 @@ class UCMWorker:
         self._meta = meta
         self._waited = set()
         self._gathered = set()
-        self._save_block_ids = None
+        self._save_block_ids = [save.block_id for save in meta.saves]
         self._releasing.update(meta.release)
         self.wait_for_sends(meta.preempted)  # Normally done already (handle_preemptions).
         persistent = {t for t, tier in enumerate(self._tiers) if tier.capabilities.persistent}
@@ -190,9 +197,9 @@ class UCMWorker:
         """Drop this step's instructions (and its staging rows, if nobody writes them)."""
         self._finish_load()
         self._meta = UCMConnectorMetadata()
-        self._save_block_ids = None
+        self._save_block_ids = []
         if self._save_rows is not None and self._staging is not None:
-            self._staging.release(self._save_rows)
+            self._staging.release(self._save_rows, self._stream.record())
         self._save_rows = None
 
     def start_load_kv(self) -> None:
@@ -243,11 +250,11 @@ class UCMWorker:
         layer = self._paged.layer(layer_name)
         if layer is None or layer_name in self._gathered:
             return
-        if self._save_rows is None or self._save_block_ids is None:
+        if self._save_rows is None:
             self._save_rows = self._staging.acquire(len(saves))
-            ids = [save.block_id for save in saves]
-            self._save_block_ids = torch.tensor(ids, device=self._paged.device)
-        self._paged.gather(layer, self._save_block_ids, self._save_rows[: len(saves)])
+        rows, ids, paged = self._save_rows, self._save_block_ids, self._paged
+        self._stream.follow_compute()  # The forward pass has just written these pages.
+        self._stream.run(partial(paged.gather, layer, ids, rows, len(ids)))
         self._gathered.add(layer_name)
 
     def wait_for_save(self) -> None:
@@ -269,7 +276,12 @@ class UCMWorker:
             self.save_kv_layer(layer.name)
         self._apply_evictions()  # Before any write, whichever hook vLLM calls first.
         rows, self._save_rows = self._save_rows, None
-        staged = row_payloads(rows[: len(saves)]) if rows is not None else None
+        gathered, staged = COMPLETE, None
+        if rows is not None:
+            # vLLM may hand these pages to other requests from the next step on.
+            gathered = self._stream.record()
+            self._stream.make_compute_wait(gathered)
+            staged = self._paged.staged_payloads(rows, len(saves))
         by_tier: dict[int, list[int]] = defaultdict(list)
         for index, save in enumerate(saves):
             if save.request_id in tainted:
@@ -283,20 +295,23 @@ class UCMWorker:
         self._meta = UCMConnectorMetadata()
         if not by_tier:
             if rows is not None:
-                self._staging.release(rows)
+                self._staging.release(rows, gathered)
             return
         payloads = staged or self._paged.block_pages([save.block_id for save in saves])
+        if in_memory:
+            gathered.synchronize()
         for tier in in_memory:
             indices = by_tier[tier]
             self._write(tier, [saves[i].key for i in indices], [payloads[i] for i in indices])
         if not background:
             if rows is not None:
-                self._staging.release(rows)
+                self._staging.release(rows, gathered)
             return
         assert rows is not None or all(
             saves[i].request_id in sending for t in background for i in by_tier[t]
         ), "persistent saves from the pages of a request vLLM does not keep"
-        self._write_behind(saves, payloads, {tier: by_tier[tier] for tier in background}, rows)
+        background_tiers = {tier: by_tier[tier] for tier in background}
+        self._write_behind(saves, payloads, background_tiers, rows, gathered)
         if self._publish_each_step:
             self._writer.flush()
 
@@ -337,16 +352,18 @@ class UCMWorker:
                 continue
             del self._background[request_id]
             self._finished_loads.add(request_id)
+            copied = COMPLETE
             try:
                 ok = reads.pending.wait()
                 if reads.rows is not None:
-                    self._scatter_loaded(reads, ok)
+                    copied = _after_all(self._copy_loaded(reads, ok))
+                    self._stream.make_compute_wait(copied)
                 self._settle(reads, ok)
             except Exception:  # noqa: BLE001 - fault barrier: a bad load must mean recompute
                 logger.exception("ucm: finishing the loads of %s failed", request_id)
                 self._load_errors.update(load.block_id for load in reads.loads)
             finally:
-                self._release(reads)
+                self._release(reads, copied)
         finished, self._finished_loads = self._finished_loads, set()
         return finished
 
@@ -392,18 +409,16 @@ class UCMWorker:
         """Finish the step's reads (once), then put the layer's loaded pages in place."""
         if layer_name not in step.pending_layers:
             return
-        assert self._paged is not None
         if step.ok is None:
             step.ok = step.reads.pending.wait()
-            step.loaded_ids, step.loaded_rows = self._loaded(step.reads, step.ok)
+            if step.reads.rows is not None:
+                step.copied = self._copy_loaded(step.reads, step.ok)
         if step.reads.rows is None:  # Read in place: every layer is ready.
             step.pending_layers.clear()
             return
-        layer = self._paged.layer(layer_name)
         step.pending_layers.discard(layer_name)
-        if layer is not None and step.loaded_ids is not None and len(step.loaded_ids):
-            assert step.loaded_rows is not None
-            self._paged.scatter(layer, step.loaded_ids, step.loaded_rows)
+        if layer_name in step.copied:
+            self._stream.make_compute_wait(step.copied[layer_name])
 
     def _finish_load(self) -> None:
         """Complete the step's loads after the forward pass: report errors, promote.
@@ -421,7 +436,7 @@ class UCMWorker:
             self._load_errors.update(load.block_id for load in step.reads.loads)  # Recompute.
             raise
         finally:
-            self._release(step.reads)
+            self._release(step.reads, _after_all(step.copied))
 
     def _complete_load(self, step: _StepLoad) -> None:
         """Put any pages not yet in place, report failed loads, promote loaded blocks."""
@@ -452,30 +467,34 @@ class UCMWorker:
             payloads = self._paged.block_pages([load.block_id for load in loads])
         else:
             rows = self._staging.acquire(len(loads))
-            payloads = row_payloads(rows[: len(loads)])
+            payloads = self._paged.staged_payloads(rows, len(loads))
         reads = [
             BlockRead(self._shard_key(load.key), load.tier, payload)
             for load, payload in zip(loads, payloads, strict=True)
         ]
         return _Reads(loads, payloads, self._reader.start(self._tiers, reads), rows)
 
-    def _loaded(self, reads: _Reads, ok: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return the block ids of the loads that succeeded, and their staging rows."""
-        assert self._paged is not None
-        loaded = [i for i, done in enumerate(ok) if done]
-        ids = torch.tensor([reads.loads[i].block_id for i in loaded], device=self._paged.device)
-        if reads.rows is None:
-            return ids, None
-        count = len(reads.loads)
-        return ids, reads.rows[:count] if len(loaded) == count else reads.rows[loaded]
+    def _copy_loaded(self, reads: _Reads, ok: list[bool]) -> dict[str, CopyEvent]:
+        """Issue the copies of the staged loads that succeeded into their pages, every
+        layer in order, on the copy stream; return an event per layer after its copies.
 
-    def _scatter_loaded(self, reads: _Reads, ok: list[bool]) -> None:
-        """Put every layer of the staged loads that succeeded into the pages."""
-        assert self._paged is not None
-        ids, rows = self._loaded(reads, ok)
-        if len(ids) and rows is not None:
-            for layer in self._paged.layers:
-                self._paged.scatter(layer, ids, rows)
+        The copies follow everything the forward pass was given so far: the pages may
+        have belonged to requests whose last work is still queued.
+        """
+        paged, rows = self._paged, reads.rows
+        assert paged is not None and rows is not None
+        loaded = [i for i, done in enumerate(ok) if done]
+        if not loaded:
+            return {}
+        ids = [reads.loads[i].block_id for i in loaded]
+        count = len(reads.loads)
+        positions = None if len(loaded) == count else loaded
+        self._stream.follow_compute()
+        copied = {}
+        for layer in paged.layers:
+            self._stream.run(partial(paged.scatter, layer, ids, rows, count, positions))
+            copied[layer.name] = self._stream.record()
+        return copied
 
     def _settle(self, reads: _Reads, ok: list[bool]) -> None:
         """Report the loads that failed; copy the others into the tiers they go up to."""
@@ -491,9 +510,10 @@ class UCMWorker:
             keys = [reads.loads[i].key for i in indices]
             self._write(tier, keys, [reads.payloads[i] for i in indices])
 
-    def _release(self, reads: _Reads) -> None:
+    def _release(self, reads: _Reads, after: CopyEvent) -> None:
+        """Give the reads' staging rows back once the copies out of them (``after``) ran."""
         if reads.rows is not None and self._staging is not None:
-            self._staging.release(reads.rows)
+            self._staging.release(reads.rows, after)
 
     def _write_behind(
         self,
@@ -501,6 +521,7 @@ class UCMWorker:
         payloads: Sequence[Segments],
         by_tier: dict[int, list[int]],
         rows: torch.Tensor | None,
+        gathered: CopyEvent,
     ) -> None:
         """Write saves to persistent tiers in the background.
 
@@ -511,6 +532,7 @@ class UCMWorker:
             rows: The staging rows holding the payloads, freed once every write is
                 done; None when the payloads are KV pages, which vLLM keeps until
                 :meth:`take_finished_sends` reports their requests.
+            gathered: Reached once the copies into ``rows`` ran; writes wait for it.
         """
         remaining = [len(by_tier)]
         lock = threading.Lock()
@@ -540,7 +562,7 @@ class UCMWorker:
                     self._sends_done.notify_all()
 
             try:
-                self._writer.submit(self._tiers[tier], keys, chosen, done)
+                self._writer.submit(self._tiers[tier], keys, chosen, done, gathered.synchronize)
             except BaseException:
                 done()
                 raise
