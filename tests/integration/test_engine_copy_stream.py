@@ -97,7 +97,7 @@ def test_negative_control_writes_before_their_copies(
     tiny_model: str, reference: Callable[[int], list[list[int]]], tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    settings = transfer(store, dram=False)  # A dram write would run the copies first.
+    settings = transfer(store, dram=False)  # The reader loads what posix holds.
     env = {"UCM_TEST_COMPUTE_WAITS": "0", "UCM_TEST_WRITES_WAIT": "0"}
     run_lagging(tiny_model, tmp_path / "writer", [Phase(WORKLOAD.cold)], settings, **env)
     (reader,), _ = run_lagging(tiny_model, tmp_path / "reader", [warm()], settings)

@@ -5,15 +5,16 @@ or eviction. Per step:
 
 - delete the blocks the scheduler evicted;
 - start reading the step's blocks on the reader threads (``start_load_kv``), straight
-  into the KV pages where they are contiguous host memory, else into staging rows;
+  into the KV pages where they are contiguous host memory, else into staging memory
+  whose copies into the pages run on the copy stream (:mod:`ucm.transfer.streams`);
 - finish them layer by layer as the forward pass reaches each layer
   (``wait_for_layer_load``), once vLLM has shown that it calls that hook for every
   layer; until then, and under wrappers that never call it, loads finish before the
   forward pass starts;
 - copy saved blocks out as the forward pass writes them, and write them to their
-  tiers: in-memory tiers at once, persistent ones in the background (with
-  ``async_save``, persistent tiers are written straight from the pages, which vLLM
-  keeps until ``get_finished`` reports the request sent);
+  tiers in the background, except in-memory tiers written straight from the pages,
+  which happens at once (with ``async_save``, persistent tiers are written straight
+  from the pages, which vLLM keeps until ``get_finished`` reports the request sent);
 - read the blocks of requests that wait for their KV (``async_load``) in the
   background, and report each request through ``get_finished`` once its blocks are
   in place.
@@ -260,12 +261,13 @@ class UCMWorker:
     def wait_for_save(self) -> None:
         """Finish the step's loads, then write its saved blocks to their tiers.
 
-        In-memory tiers are written now, from the pages themselves where they are
-        contiguous host memory; persistent tiers (disk, remote) in the background,
-        from staging rows that stay reserved until their writes finish, or with
-        ``async_save`` from the pages, which vLLM keeps for as long. A ``kv_producer``
-        (a prefill instance) waits for its persistent writes too, so that its response
-        never reaches a decode instance before the KV is in the store.
+        Where the blocks go through staging memory, every tier is written in the
+        background, once the copy stream has filled the rows, which stay reserved until
+        their writes finish. Otherwise in-memory tiers are written now, from the pages
+        themselves, and persistent tiers (disk, remote) in the background, from the
+        pages with ``async_save`` (vLLM keeps them for as long). A ``kv_producer`` (a
+        prefill instance) waits for its writes too, so that its response never reaches
+        a decode instance before the KV is in the store.
         """
         self._finish_load()
         tainted = self._tainted_requests()
@@ -289,7 +291,12 @@ class UCMWorker:
             for tier in save.tiers:
                 if self._writes_shared or not self._tiers[tier].capabilities.shared:
                     by_tier[tier].append(index)
-        background = [t for t in by_tier if self._tiers[t].capabilities.persistent]
+        # From the pages, in-memory tiers are written now (vLLM may reuse the pages after
+        # this step); from staging memory every tier is written in the background, so that
+        # the step never waits for the copy stream.
+        background = [
+            t for t in by_tier if rows is not None or self._tiers[t].capabilities.persistent
+        ]
         in_memory = [t for t in by_tier if t not in background]
         sending = set(self._meta.sending)
         self._meta = UCMConnectorMetadata()
@@ -298,14 +305,10 @@ class UCMWorker:
                 self._staging.release(rows, gathered)
             return
         payloads = staged or self._paged.block_pages([save.block_id for save in saves])
-        if in_memory:
-            gathered.synchronize()
         for tier in in_memory:
             indices = by_tier[tier]
             self._write(tier, [saves[i].key for i in indices], [payloads[i] for i in indices])
         if not background:
-            if rows is not None:
-                self._staging.release(rows, gathered)
             return
         assert rows is not None or all(
             saves[i].request_id in sending for t in background for i in by_tier[t]
@@ -523,7 +526,7 @@ class UCMWorker:
         rows: torch.Tensor | None,
         gathered: CopyEvent,
     ) -> None:
-        """Write saves to persistent tiers in the background.
+        """Write saves to their tiers in the background.
 
         Args:
             saves: The step's saves.
@@ -574,7 +577,9 @@ class UCMWorker:
         must come first for the tiers to hold exactly what its mirror says.
         """
         for tier, keys in self._meta.evictions.items():
-            self._tiers[tier].delete([self._shard_key(key) for key in keys])
+            shard_keys = [self._shard_key(key) for key in keys]
+            self._writer.wait_for(shard_keys)  # A pending write would land after the delete.
+            self._tiers[tier].delete(shard_keys)
         self._meta.evictions = {}
 
     def _ensure_registered(self) -> None:
