@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import ClassVar
 
 from ucm.store.base import BlockKey
@@ -32,6 +33,11 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def __contains__(self, key: object) -> bool:
         """Return whether the policy holds ``key``."""
+
+    @abc.abstractmethod
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return, per key, whether the policy holds it (the scheduler's lookups: one
+        C-level probe per key, no Python call per key)."""
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -71,6 +77,10 @@ class LRUPolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._stamps
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return, per key, whether the policy holds it."""
+        return list(map(self._stamps.__contains__, keys))
 
     def __len__(self) -> int:
         return len(self._stamps)
@@ -119,11 +129,15 @@ class S3FIFOPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._small: OrderedDict[BlockKey, int] = OrderedDict()  # Key -> stamp, oldest first.
         self._main: OrderedDict[BlockKey, int] = OrderedDict()
-        self._frequency: dict[BlockKey, int] = {}
+        self._frequency: dict[BlockKey, int] = {}  # Exactly the keys of both queues.
         self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._small or key in self._main
+        return key in self._frequency
+
+    def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Return, per key, whether the policy holds it."""
+        return list(map(self._frequency.__contains__, keys))
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)

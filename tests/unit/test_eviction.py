@@ -57,6 +57,7 @@ def test_policy_holds_exactly_what_was_inserted_and_not_yet_given_up(
                 stamps.pop(victim, None)
         assert len(policy) == len(stamps)
         assert all((key in policy) == (key in stamps) for key in KEYS)
+        assert policy.contains_many(KEYS) == [key in stamps for key in KEYS]
 
 
 def test_lru_gives_up_the_least_recently_used_first() -> None:

@@ -137,7 +137,7 @@ class MirroredTier(TierView):
 
     def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Return whether each block is in the tier."""
-        return list(map(self._policy.__contains__, keys))
+        return self._policy.contains_many(keys)
 
     def touch(self, key: BlockKey, step: int) -> None:
         """Record a read of the block and pin it for ``step``."""
