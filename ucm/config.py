@@ -78,11 +78,11 @@ class UCMConfig:
     vLLM was given; set it to share a store between engines that load the same
     weights from different paths."""
     max_pending_write_bytes: int = _DEFAULT_MAX_PENDING_WRITE_BYTES
-    """Saved bytes that may wait for a background write to a persistent tier (per
-    worker); a step waits for writes only when this much is pending."""
+    """Saved bytes that may wait for a background write (per worker); a step waits for
+    writes only when this much is pending."""
     io_threads: int = _DEFAULT_IO_THREADS
     """Threads per worker that read blocks from the tiers in parallel (and as many
-    that write to persistent tiers in the background)."""
+    that write blocks in the background)."""
     in_place: bool = True
     """Let stores read and write vLLM's KV pages directly where each page is contiguous
     host memory; False copies every block through staging memory, as on a GPU."""

@@ -133,7 +133,7 @@ class UCMWorker:
         self._layerwise = False  # Set once vLLM called wait_for_layer_load for every layer.
         self._waited: set[str] = set()  # Layers vLLM waited for in this step.
         self._save_rows: torch.Tensor | None = None  # This step's, until its writes finish.
-        self._save_block_ids: list[int] = []
+        self._save_block_ids: list[int] = []  # The blocks staged in ``_save_rows``.
         self._stage_saves = False
         self._gathered: set[str] = set()
         self._load_errors: set[int] = set()
@@ -183,7 +183,6 @@ class UCMWorker:
         self._meta = meta
         self._waited = set()
         self._gathered = set()
-        self._save_block_ids = [save.block_id for save in meta.saves]
         self._releasing.update(meta.release)
         self.wait_for_sends(meta.preempted)  # Normally done already (handle_preemptions).
         persistent = {t for t, tier in enumerate(self._tiers) if tier.capabilities.persistent}
@@ -198,7 +197,6 @@ class UCMWorker:
         """Drop this step's instructions (and its staging rows, if nobody writes them)."""
         self._finish_load()
         self._meta = UCMConnectorMetadata()
-        self._save_block_ids = []
         if self._save_rows is not None and self._staging is not None:
             self._staging.release(self._save_rows, self._stream.record())
         self._save_rows = None
@@ -253,6 +251,7 @@ class UCMWorker:
             return
         if self._save_rows is None:
             self._save_rows = self._staging.acquire(len(saves))
+            self._save_block_ids = [save.block_id for save in saves]
         rows, ids, paged = self._save_rows, self._save_block_ids, self._paged
         self._stream.follow_compute()  # The forward pass has just written these pages.
         self._stream.run(partial(paged.gather, layer, ids, rows, len(ids)))
