@@ -105,6 +105,8 @@ class PagedKV:
         self._page_rows = _page_rows(pages) if self.device.type == "cpu" else None
         self._by_name: Mapping[str, LayerPages] = {page.name: page for page in pages}
         self._scratches: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # The last indices made into a tensor: a step copies every layer with the same.
+        self._last_index: tuple[tuple[int, ...], torch.Tensor] = ((), torch.empty(0))
 
     @property
     def in_place(self) -> bool:
@@ -210,11 +212,17 @@ class PagedKV:
 
     def _index(self, indices: Sequence[int]) -> torch.Tensor:
         """Return indices as an int64 tensor on the KV device; on an accelerator they go
-        through pinned memory and are copied without a host wait, on the current stream."""
-        host = torch.tensor(list(indices), dtype=torch.int64)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        through pinned memory and are copied without a host wait, on the current stream
+        (the copy stream: only copies issued there use the tensor, so it can be reused)."""
+        key = tuple(indices)
+        last_key, last = self._last_index
+        if key == last_key:
+            return last
+        index = torch.tensor(key, dtype=torch.int64)
+        if self.device.type != "cpu":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        self._last_index = (key, index)
+        return index
 
     def _as_pages(self, layer: LayerPages, data: torch.Tensor) -> torch.Tensor:
         """View contiguous ``[count, ...]`` memory as ``count`` pages of the layer, with the
