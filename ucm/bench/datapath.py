@@ -217,7 +217,7 @@ def transfer_rates(
     flat = rows.view(-1)
     on_device = torch.empty_like(flat, device=device)
     sources = torch.randperm(2 * count)[:count].tolist()
-    targets = [block for block in range(2 * count) if block not in set(sources)][:count]
+    targets = sorted(set(range(2 * count)) - set(sources))
 
     def synchronize() -> None:
         if device.type != "cpu":

@@ -106,7 +106,7 @@ class PagedKV:
         self._by_name: Mapping[str, LayerPages] = {page.name: page for page in pages}
         self._scratches: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # The last indices made into a tensor: a step copies every layer with the same.
-        self._last_index: tuple[tuple[int, ...], torch.Tensor] = ((), torch.empty(0))
+        self._last_index: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     @property
     def in_place(self) -> bool:
@@ -215,9 +215,8 @@ class PagedKV:
         through pinned memory and are copied without a host wait, on the current stream
         (the copy stream: only copies issued there use the tensor, so it can be reused)."""
         key = tuple(indices)
-        last_key, last = self._last_index
-        if key == last_key:
-            return last
+        if self._last_index is not None and self._last_index[0] == key:
+            return self._last_index[1]
         index = torch.tensor(key, dtype=torch.int64)
         if self.device.type != "cpu":
             index = index.pin_memory().to(self.device, non_blocking=True)

@@ -1,9 +1,9 @@
-"""Write-behind for slow tiers: store writes run on a bounded background thread pool.
+"""Write-behind: store writes run on a bounded background thread pool.
 
 The worker copies a step's blocks out of vLLM's paged buffer into staging memory
 within the step (on an accelerator, queued on a copy stream that a write waits for
-first), so vLLM may reuse those blocks at once; writing the staging memory to a disk
-or remote tier then happens here, off the step's critical path. Pending
+first), so vLLM may reuse those blocks at once; writing the staging memory to its
+tiers then happens here, off the step's critical path. Pending
 bytes are bounded (a step waits only when the bound is reached), a read of a key
 first waits for that key's pending write, and ``flush`` waits for everything.
 """
